@@ -1,0 +1,1 @@
+"""hybridsparse.predictor_training: a pipeline stage (see README)."""

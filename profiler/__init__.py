@@ -1,0 +1,1 @@
+"""hybridsparse.profiler: a pipeline stage (see README)."""

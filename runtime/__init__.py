@@ -1,0 +1,1 @@
+"""hybridsparse.runtime: GGUF loading, the architectures, tokenization, generation and the CLI."""

@@ -1,0 +1,137 @@
+"""hs-run: generate text from a GGUF model, with llama.cpp's flags and defaults where they apply."""
+
+from __future__ import annotations
+
+import argparse
+import codecs
+import logging
+import os
+import sys
+
+import torch
+
+from .errors import HybridSparseError
+
+
+def default_threads() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def add_model_args(ap: argparse.ArgumentParser) -> None:
+    """Flags every command that loads a model shares."""
+    ap.add_argument("-m", "--model", help="GGUF model file (llama.cpp or PowerInfer layout); "
+                    "default: the embedded Gemma 3 270M Q4_K_M")
+    ap.add_argument("-t", "--threads", type=int, default=default_threads(),
+                    help="CPU threads for generation (default: %(default)s, the cores available)")
+    ap.add_argument("-c", "--ctx-size", type=int, default=4096,
+                    help="context size in tokens (default: %(default)s; 0 = the model's training context)")
+    ap.add_argument("-ngl", "--n-gpu-layers", "--gpu-layers", type=int, default=-1, dest="n_gpu_layers",
+                    help="layers on the GPU, counted from the last (llama.cpp's rule); more than the layer "
+                    "count also puts the output head there (default: -1 = all when CUDA is present)")
+    ap.add_argument("--device", default=None, help="GPU to use, e.g. cuda:1 (default: cuda when present)")
+    ap.add_argument("--verbose", action="store_true", help="log details and show tracebacks on errors")
+
+
+def add_sampling_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("-s", "--seed", type=int, default=-1, help="RNG seed (default: -1 = random)")
+    ap.add_argument("--temp", type=float, default=0.8, help="temperature; <= 0 is greedy (default: %(default)s)")
+    ap.add_argument("--top-k", type=int, default=40, help="top-k sampling, 0 = off (default: %(default)s)")
+    ap.add_argument("--top-p", type=float, default=0.95, help="top-p sampling, 1.0 = off (default: %(default)s)")
+    ap.add_argument("--min-p", type=float, default=0.05, help="min-p sampling, 0.0 = off (default: %(default)s)")
+    ap.add_argument("--repeat-penalty", type=float, default=1.0,
+                    help="penalize repeated tokens, 1.0 = off (default: %(default)s)")
+    ap.add_argument("--repeat-last-n", type=int, default=64,
+                    help="tokens to consider for the penalty, -1 = all (default: %(default)s)")
+
+
+def sampling_params(args):
+    from .sampling import SamplingParams
+    return SamplingParams(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                          repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n, seed=args.seed)
+
+
+def run_main(name: str, body, argv=None, parser: argparse.ArgumentParser | None = None) -> int:
+    """Parse, run `body(args)`, and turn errors into one line on stderr with a non-zero exit."""
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format=f"{name}: %(message)s", stream=sys.stderr)
+    try:
+        return body(args) or 0
+    except KeyboardInterrupt:
+        print(f"{name}: interrupted", file=sys.stderr)
+        return 130
+    except (HybridSparseError, ValueError, FileNotFoundError, OSError) as e:
+        if args.verbose:
+            raise
+        print(f"{name}: error: {e}", file=sys.stderr)
+        return 1
+    except Exception as e:  # noqa: BLE001 - the one-line contract covers every failure
+        if args.verbose:
+            raise
+        print(f"{name}: error: {type(e).__name__}: {e} (run with --verbose for the traceback)", file=sys.stderr)
+        return 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="hs-run", description="Generate text with a GGUF model (llama.cpp's flags where they apply). "
+        "Text goes to stdout; timings go to stderr.")
+    add_model_args(ap)
+    ap.add_argument("-p", "--prompt", default=None, help="prompt text (default: 'Once upon a time')")
+    ap.add_argument("-f", "--file", help="read the prompt from this file")
+    ap.add_argument("-n", "--n-predict", type=int, default=-1,
+                    help="tokens to generate (default: -1 = until end of text or a full context)")
+    ap.add_argument("-b", "--batch-size", type=int, default=2048,
+                    help="prompt tokens per forward pass (default: %(default)s)")
+    add_sampling_args(ap)
+    ap.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                    help="stop when the output contains TEXT (repeatable)")
+    ap.add_argument("--no-display-prompt", action="store_true", help="do not echo the prompt before the output")
+    ap.add_argument("--no-escape", action="store_true", help="do not process escapes (\\n, \\t) in the prompt")
+    ap.add_argument("--no-graphs", action="store_true", help="do not capture CUDA graphs for decoding")
+    return ap
+
+
+def _run(args) -> int:
+    from .generate import Generator
+    from .loader import open_model
+    from .sampling import Sampler
+
+    if args.threads < 1:
+        raise ValueError(f"-t/--threads must be >= 1, got {args.threads}")
+    torch.set_num_threads(args.threads)
+    if args.file:
+        with open(args.file, encoding="utf-8") as fh:
+            prompt = fh.read()
+    else:
+        prompt = args.prompt if args.prompt is not None else "Once upon a time"
+    if not args.no_escape:
+        prompt = codecs.decode(prompt.encode("utf-8"), "unicode_escape").encode("latin-1").decode("utf-8")
+    lm = open_model(args.model, args.n_gpu_layers, args.device)
+    n_ctx = args.ctx_size if args.ctx_size > 0 else lm.model.config.n_ctx_train
+    if args.ctx_size < 0:
+        raise ValueError(f"-c/--ctx-size must be >= 0, got {args.ctx_size}")
+    gen = Generator(lm.model, lm.tokenizer, n_ctx, n_batch=max(1, args.batch_size), use_graphs=not args.no_graphs)
+    sampler = Sampler(sampling_params(args))
+    ids = lm.tokenizer.encode(prompt)
+    if not args.no_display_prompt:
+        sys.stdout.write(prompt)
+        sys.stdout.flush()
+    for piece in gen.generate(ids, args.n_predict, sampler, args.stop):
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    t = gen.timings
+    print(f"\nhs-run: model {lm.gguf.path.name} ({lm.model.config.arch}), {args.threads} threads, "
+          f"seed {sampler.seed}, stop: {t.stop_reason}", file=sys.stderr)
+    for line in t.summary().splitlines():
+        print(f"hs-run: {line}", file=sys.stderr)
+    return 0
+
+
+def main(argv=None) -> int:
+    return run_main("hs-run", _run, argv, build_parser())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,163 @@
+"""One sequence's generation: batched prefill, decode with the KV cache, stop rules, timings.
+
+On CUDA, when the whole model is on the GPU, each decode step replays a captured CUDA graph (one
+per power-of-two range of context length), so a step costs one launch instead of hundreds.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from .errors import InputError
+from .models.base import CausalLM
+from .sampling import Sampler
+from .tokenizer import StreamDecoder, Tokenizer
+
+MIN_GRAPH_BUCKET = 256
+
+
+@dataclass(slots=True)
+class Timings:
+    prompt_tokens: int = 0
+    prompt_s: float = 0.0
+    gen_tokens: int = 0
+    gen_s: float = 0.0
+    stop_reason: str = ""
+
+    def line(self, what: str, n: int, seconds: float) -> str:
+        ms = seconds * 1000
+        per = ms / n if n else 0.0
+        tps = n / seconds if seconds > 0 else 0.0
+        return f"{what} = {ms:10.2f} ms / {n:5d} tokens ({per:8.2f} ms per token, {tps:8.2f} tokens per second)"
+
+    def summary(self) -> str:
+        return "\n".join([self.line("prompt eval time", self.prompt_tokens, self.prompt_s),
+                          self.line("       eval time", self.gen_tokens, self.gen_s)])
+
+
+class _DecodeGraphs:
+    """Captured decode steps, one per context-length bucket; inputs are static tensors."""
+
+    def __init__(self, model: CausalLM, cache, n_ctx: int, device):
+        self.model, self.cache, self.n_ctx = model, cache, n_ctx
+        self.token = torch.zeros(1, dtype=torch.long, device=device)
+        self.pos = torch.zeros(1, dtype=torch.long, device=device)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+
+    def bucket(self, kv_len: int) -> int:
+        b = MIN_GRAPH_BUCKET
+        while b < kv_len:
+            b *= 2
+        return min(b, self.n_ctx)
+
+    def run(self, token: int, pos: int) -> torch.Tensor:
+        self.token.fill_(token)
+        self.pos.fill_(pos)
+        b = self.bucket(pos + 1)
+        if b not in self.graphs:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):  # warm up outside the graph (allocator, cuBLAS handles)
+                self.model.forward(self.token, self.pos, self.cache, b)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                out = self.model.forward(self.token, self.pos, self.cache, b)
+            self.graphs[b] = (graph, out)
+        graph, out = self.graphs[b]
+        graph.replay()
+        return out
+
+
+@dataclass
+class Generator:
+    model: CausalLM
+    tokenizer: Tokenizer
+    n_ctx: int
+    n_batch: int = 2048
+    use_graphs: bool = True
+    timings: Timings = field(default_factory=Timings)
+
+    def __post_init__(self):
+        self.cache = self.model.new_cache(self.n_ctx)
+        self.n_past = 0
+        p = self.model.placement
+        all_gpu = p.head.type == "cuda" and p.embed.type == "cuda" and all(d.type == "cuda" for d in p.layers)
+        self._graphs = _DecodeGraphs(self.model, self.cache, self.n_ctx, p.head) \
+            if (self.use_graphs and all_gpu) else None
+
+    def reset(self) -> None:
+        self.n_past = 0
+
+    @torch.inference_mode()
+    def eval(self, ids: list[int], all_logits: bool = False) -> torch.Tensor:
+        """Feed tokens after the current position; returns logits of the last one (or of all)."""
+        if self.n_past + len(ids) > self.n_ctx:
+            raise InputError(f"prompt of {len(ids)} tokens after {self.n_past} does not fit the context "
+                             f"of {self.n_ctx} tokens (raise -c)")
+        if len(ids) == 1 and self._graphs is not None and not all_logits:
+            out = self._graphs.run(ids[0], self.n_past)[0]
+            self.n_past += 1
+            return out
+        outs = []
+        for start in range(0, len(ids), self.n_batch):
+            chunk = ids[start:start + self.n_batch]
+            tokens = torch.tensor(chunk, dtype=torch.long)
+            positions = torch.arange(self.n_past, self.n_past + len(chunk), dtype=torch.long)
+            logits = self.model.forward(tokens, positions, self.cache, self.n_past + len(chunk), all_logits)
+            self.n_past += len(chunk)
+            outs.append(logits)
+        return torch.cat(outs) if all_logits else outs[-1][-1]
+
+    def generate(self, prompt: list[int], n_predict: int, sampler: Sampler,
+                 stop: list[str] | None = None) -> Iterator[str]:
+        """Yields text pieces as they complete; `timings` holds counts and times afterwards."""
+        if not prompt:
+            raise InputError("empty prompt: nothing to condition on")
+        self.reset()
+        t = self.timings = Timings(prompt_tokens=len(prompt))
+        start = time.perf_counter()
+        logits = self.eval(prompt)
+        _sync(logits)
+        t.prompt_s = time.perf_counter() - start
+        history = list(prompt)
+        stream = StreamDecoder(self.tokenizer, prompt)
+        text, limit = "", n_predict if n_predict >= 0 else self.n_ctx
+        start = time.perf_counter()
+        while True:
+            token = sampler(logits, history)
+            if token in self.tokenizer.eog_ids:
+                t.stop_reason = "eos"
+                break
+            history.append(token)
+            t.gen_tokens += 1
+            piece = stream.push(token)
+            if piece:
+                text += piece
+                hit = next((s for s in (stop or []) if s and s in text), None)
+                if hit is not None:
+                    cut = text.index(hit)
+                    tail = piece[:max(0, len(piece) - (len(text) - cut))]
+                    if tail:
+                        yield tail
+                    t.stop_reason = "stop"
+                    break
+                yield piece
+            if t.gen_tokens >= limit:
+                t.stop_reason = "length"
+                break
+            if self.n_past >= self.n_ctx:
+                t.stop_reason = "context"
+                break
+            logits = self.eval([token])
+        t.gen_s = time.perf_counter() - start
+
+
+def _sync(t: torch.Tensor) -> None:
+    if t.is_cuda:
+        torch.cuda.synchronize(t.device)

@@ -1,0 +1,160 @@
+"""The compiled core (csrc/) as torch ops, with a pure-torch twin for each, chosen at call time.
+
+The extension is built with torch's C++ extension tooling on first use (and by `make install`),
+cached under ~/.cache/hybridsparse; with nvcc and a CUDA torch the CUDA sources are built too. When
+the build is impossible the runtime says so in one line and uses the twins.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType as Q
+
+from .quants import FLOAT_TYPES, dequantize
+
+log = logging.getLogger(__name__)
+
+CSRC = Path(__file__).resolve().parent.parent / "csrc"
+if not CSRC.is_dir():  # installed as a package: csrc is shipped inside hybridsparse/runtime
+    CSRC = Path(__file__).resolve().parent / "csrc"
+
+# Block formats the compiled CPU matmul computes natively (activations quantized to 8 bits per block,
+# as llama.cpp does); the rest go through the twin.
+CPU_QTYPES = {Q.F16, Q.BF16, Q.Q4_0, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K}
+CUDA_QTYPES = {Q.Q4_0, Q.Q8_0}
+_DEQUANT_CHUNK_ROWS = 8192
+
+_ops = None
+_load_error: str | None = None
+
+
+def _sources() -> tuple[list[str], bool]:
+    cpp = sorted(str(p) for p in CSRC.glob("*.cpp"))
+    cu = sorted(str(p) for p in CSRC.glob("*.cu"))
+    with_cuda = bool(cu) and torch.cuda.is_available() and torch.version.cuda is not None \
+        and _which("nvcc") is not None
+    return cpp + (cu if with_cuda else []), with_cuda
+
+
+def _which(cmd: str) -> str | None:
+    import shutil
+    cuda_home = os.environ.get("CUDA_HOME", "/usr/local/cuda")
+    return shutil.which(cmd) or (str(Path(cuda_home, "bin", cmd)) if Path(cuda_home, "bin", cmd).exists() else None)
+
+
+def build(verbose: bool = False):
+    """Compile (or load the cached build of) the extension; returns torch.ops.hybridsparse."""
+    from torch.utils import cpp_extension
+
+    sources, with_cuda = _sources()
+    if not sources:
+        raise RuntimeError(f"no C++ sources under {CSRC}")
+    digest = hashlib.sha256()
+    for path in sorted(CSRC.glob("*")):
+        if path.is_file():
+            digest.update(path.name.encode() + path.read_bytes())
+    digest.update(f"{torch.__version__}{with_cuda}".encode())
+    tag = digest.hexdigest()[:12]
+    build_dir = Path(os.environ.get("HS_CACHE", Path.home() / ".cache" / "hybridsparse")) / "ext" / tag
+    build_dir.mkdir(parents=True, exist_ok=True)
+    cflags = ["-O3", "-std=c++17", "-fopenmp", "-fno-math-errno"]
+    if os.environ.get("HS_SANITIZE"):
+        cflags += ["-fsanitize=address", "-fno-omit-frame-pointer"]
+    cuda_flags = ["-O3", "--use_fast_math", "-std=c++17"]
+    if with_cuda:
+        major, minor = torch.cuda.get_device_capability()
+        cuda_flags.append(f"-gencode=arch=compute_{major}{minor},code=sm_{major}{minor}")
+        cflags.append("-DHS_WITH_CUDA")
+    if not (build_dir / "hybridsparse_C.so").exists():
+        print(f"hybridsparse: building compiled kernels ({'CPU+CUDA' if with_cuda else 'CPU'}) "
+              f"into {build_dir} (once)", file=sys.stderr)
+    cpp_extension.load(
+        name="hybridsparse_C", sources=sources, build_directory=str(build_dir),
+        extra_cflags=cflags, extra_cuda_cflags=cuda_flags,
+        extra_ldflags=["-fopenmp"] + (["-fsanitize=address"] if os.environ.get("HS_SANITIZE") else []),
+        is_python_module=False, verbose=verbose, with_cuda=with_cuda,
+    )
+    return torch.ops.hybridsparse
+
+
+def ops():
+    """The compiled ops, or None (said once) when they cannot be built or loaded."""
+    global _ops, _load_error
+    if _ops is None and _load_error is None:
+        if os.environ.get("HS_NO_KERNELS"):
+            _load_error = "disabled by HS_NO_KERNELS"
+        else:
+            try:
+                _ops = build()
+            except Exception as e:  # compiler missing, headers missing, link failure
+                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                _load_error = first
+                print(f"hybridsparse: compiled kernels unavailable ({first}); using the pure-torch twins",
+                      file=sys.stderr)
+    return _ops
+
+
+def available() -> bool:
+    return ops() is not None
+
+
+def cuda_supports(qtype: Q) -> bool:
+    o = ops()
+    return o is not None and qtype in CUDA_QTYPES and hasattr(o, "qmatmul") and _has_cuda_kernels()
+
+
+def _has_cuda_kernels() -> bool:
+    o = ops()
+    try:
+        return bool(o.has_cuda())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+# --- the ops and their twins ---------------------------------------------------------------------
+
+def matmul_reference(x: torch.Tensor, data: torch.Tensor, qtype: Q) -> torch.Tensor:
+    """Twin of `qmatmul`: y[T, rows] = x[T, in] @ dequantize(data).T in float32."""
+    if qtype in FLOAT_TYPES and data.dtype != torch.uint8:
+        return F.linear(x.to(data.dtype), data).float()
+    rows = data.shape[0]
+    if rows <= _DEQUANT_CHUNK_ROWS:
+        return F.linear(x, dequantize(data, qtype))
+    return torch.cat([F.linear(x, dequantize(data[i:i + _DEQUANT_CHUNK_ROWS], qtype))
+                      for i in range(0, rows, _DEQUANT_CHUNK_ROWS)], dim=-1)
+
+
+def matmul(x: torch.Tensor, data: torch.Tensor, qtype: Q) -> torch.Tensor:
+    """x [T, in] float32 times the weight [rows, in] (stored format) transposed -> [T, rows] float32."""
+    if data.is_cuda:
+        if qtype in FLOAT_TYPES:
+            return F.linear(x.to(data.dtype), data).float()
+        return ops().qmatmul(data, int(qtype), x)
+    if qtype == Q.F32:
+        return F.linear(x, data)
+    if qtype in CPU_QTYPES and ops() is not None:
+        return ops().qmatmul(data, int(qtype), x.contiguous())
+    return matmul_reference(x, data, qtype)
+
+
+def matmul_t_reference(h: torch.Tensor, data: torch.Tensor, qtype: Q) -> torch.Tensor:
+    """Twin of `qmatmul_t`: y[T, in] = h[T, rows] @ dequantize(data)."""
+    if qtype in FLOAT_TYPES and data.dtype != torch.uint8:
+        return (h.to(data.dtype) @ data).float()
+    return h @ dequantize(data, qtype)
+
+
+def matmul_t(h: torch.Tensor, data: torch.Tensor, qtype: Q) -> torch.Tensor:
+    """h [T, rows] times the weight [rows, in] (stored format) -> [T, in] float32."""
+    if qtype == Q.F32 or data.is_cuda:
+        return matmul_t_reference(h, data, qtype)
+    if qtype in CPU_QTYPES and ops() is not None:
+        return ops().qmatmul_t(data, int(qtype), h.contiguous())
+    return matmul_t_reference(h, data, qtype)

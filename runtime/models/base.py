@@ -1,0 +1,265 @@
+"""What every architecture shares: weight lookup with checked shapes, placement of layers on
+devices (llama.cpp's `-ngl`), the KV cache, and the forward pass over tokens.
+
+An architecture subclasses `CausalLM`, builds its config from GGUF metadata, loads one layer's
+weights in `load_layer`, and computes one block in `block`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+
+from ..errors import ModelError
+from ..gguf_file import GGUFFile
+from ..layers import KVCache, Step
+from ..quants import dequantize
+from ..weights import QWeight, linear
+
+
+@dataclass(slots=True)
+class NormWeights:
+    weight: torch.Tensor
+    bias: torch.Tensor | None = None
+
+
+class Weights:
+    """Named tensors of one GGUF file, checked for presence and shape as they are taken."""
+
+    def __init__(self, gguf: GGUFFile):
+        self.gguf = gguf
+
+    def has(self, name: str) -> bool:
+        return name in self.gguf.tensors
+
+    def _info(self, name: str):
+        info = self.gguf.tensors.get(name)
+        if info is None:
+            raise ModelError(f"{self.gguf.path}: tensor {name} is missing")
+        return info
+
+    def matrix(self, name: str, out_features: int, in_features: int) -> QWeight:
+        info = self._info(name)
+        if tuple(info.shape) != (in_features, out_features):
+            raise ModelError(f"{self.gguf.path}: tensor {name} has shape {list(info.shape)}, "
+                             f"expected [{in_features}, {out_features}]")
+        return QWeight.from_raw(self.gguf.raw(name), info.qtype, in_features)
+
+    def vector(self, name: str, n: int) -> torch.Tensor:
+        info = self._info(name)
+        if tuple(info.shape) != (n,):
+            raise ModelError(f"{self.gguf.path}: tensor {name} has shape {list(info.shape)}, expected [{n}]")
+        return dequantize(self.gguf.raw(name), info.qtype).reshape(n)
+
+    def optional_vector(self, name: str, n: int) -> torch.Tensor | None:
+        return self.vector(name, n) if self.has(name) else None
+
+
+@dataclass(slots=True)
+class Predictor:
+    """PowerInfer/Deja Vu activation predictor of one layer: logits = fc2(relu(fc1(x)))."""
+    fc1: QWeight
+    fc2: QWeight
+
+
+@dataclass(slots=True)
+class Placement:
+    """Where each part lives: the embedding, each layer, the output head."""
+    embed: torch.device
+    layers: list[torch.device]
+    head: torch.device
+    devices: list[torch.device] = field(default_factory=list)
+
+    @classmethod
+    def split(cls, n_layers: int, n_gpu_layers: int, gpu: torch.device | None) -> "Placement":
+        """llama.cpp's rule: the last `n_gpu_layers` layers on the GPU; the output head too once
+        n_gpu_layers exceeds the layer count; the embedding on the GPU only when everything is."""
+        cpu = torch.device("cpu")
+        if gpu is None or n_gpu_layers <= 0:
+            return cls(cpu, [cpu] * n_layers, cpu, [cpu])
+        first_gpu = max(n_layers - n_gpu_layers, 0)
+        layers = [cpu if i < first_gpu else gpu for i in range(n_layers)]
+        all_gpu = n_gpu_layers > n_layers
+        head = gpu if all_gpu else cpu
+        embed = gpu if all_gpu else cpu
+        devices = sorted({*layers, head, embed}, key=str)
+        return cls(embed, layers, head, devices)
+
+
+class CausalLM:
+    """A decoder-only language model read from a GGUF file."""
+
+    arch: ClassVar[str]
+
+    def __init__(self, gguf: GGUFFile, config):
+        self.gguf, self.config = gguf, config
+        self.weights = Weights(gguf)
+        c = config
+        self.embedding = self.weights.matrix("token_embd.weight", c.n_vocab, c.d_model)
+        self.layers = [self.load_layer(i) for i in range(c.n_layers)]
+        self.output = (self.weights.matrix("output.weight", c.n_vocab, c.d_model)
+                       if self.weights.has("output.weight") else self.embedding)
+        self.head = self.load_head()
+        self.predictors = self._load_predictors()
+        self.sparse_threshold = float(gguf.get("powerinfer.sparse_threshold", 0.0))
+        self.placement = Placement.split(c.n_layers, 0, None)
+        self.rotary_by_device: dict[torch.device, object] = {}
+
+    # --- to be provided by each architecture ----------------------------------------------------
+
+    def load_layer(self, i: int):
+        raise NotImplementedError
+
+    def block(self, i: int, x: torch.Tensor, step: Step, cache: KVCache) -> torch.Tensor:
+        raise NotImplementedError
+
+    def load_head(self):
+        """The final norm's tensors (a dataclass), placed with the output head."""
+        raise NotImplementedError
+
+    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def make_rotary(self, device: torch.device):
+        """Rotary tables for `device` (None for architectures without rotary embeddings)."""
+        return None
+
+    def embed(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return dequantize(self.embedding.data[tokens], self.embedding.qtype)
+
+    windows: ClassVar[tuple] = (None,)
+
+    # --- shared machinery -----------------------------------------------------------------------
+
+    def _load_predictors(self) -> list[Predictor] | None:
+        if not self.weights.has("blk.0.fc1.weight"):
+            return None
+        c, out = self.config, []
+        for i in range(c.n_layers):
+            info = self.weights._info(f"blk.{i}.fc1.weight")
+            rank = info.shape[1] if len(info.shape) == 2 else 0
+            out.append(Predictor(self.weights.matrix(f"blk.{i}.fc1.weight", rank, c.d_model),
+                                 self.weights.matrix(f"blk.{i}.fc2.weight", c.n_ff, rank)))
+        return out
+
+    def place(self, n_gpu_layers: int, gpu: torch.device | None) -> None:
+        """Move layers to the GPU following llama.cpp's `-ngl` rule."""
+        self.placement = p = Placement.split(self.config.n_layers, n_gpu_layers, gpu)
+        self.embedding = self.embedding.to(p.embed)
+        self.layers = [self.move_layer(layer, dev) for layer, dev in zip(self.layers, p.layers)]
+        self.output = self.output.to(p.head)
+        self.head = _move(self.head, p.head)
+        self.rotary_by_device = {d: self.make_rotary(d) for d in p.devices}
+
+    def move_layer(self, layer, device):
+        return _move(layer, device)
+
+    def rotary(self, device: torch.device):
+        if device not in self.rotary_by_device:
+            self.rotary_by_device[device] = self.make_rotary(device)
+        return self.rotary_by_device[device]
+
+    def new_cache(self, n_ctx: int) -> list[KVCache]:
+        c = self.config
+        return [KVCache(c.n_kv_heads, c.head_dim, n_ctx, dev,
+                        torch.float32 if dev.type == "cpu" else torch.float16)
+                for dev in self.placement.layers]
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: list[KVCache],
+                kv_len: int, all_logits: bool = False) -> torch.Tensor:
+        """tokens, positions: int64 [T]; returns float32 logits [T or 1, n_vocab] on the head's device."""
+        p = self.placement
+        x = self.embed(tokens.to(p.embed), positions.to(p.embed))
+        steps: dict[torch.device, Step] = {}
+        for i, dev in enumerate(p.layers):
+            if dev not in steps:
+                steps[dev] = Step.build(positions.to(dev), kv_len, self.windows)
+            x = self.block(i, x.to(dev), steps[dev], cache[i])
+        if not all_logits:
+            x = x[-1:]
+        x = self.final_norm(x.to(p.head))
+        return self.logits(x)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.output)
+
+
+def _move(obj, device):
+    """Move every tensor / QWeight field of a layer dataclass (recursively) to `device`."""
+    if isinstance(obj, QWeight):
+        return obj.to(device)
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if hasattr(obj, "__dataclass_fields__"):
+        for name in obj.__dataclass_fields__:
+            setattr(obj, name, _move(getattr(obj, name), device))
+        return obj
+    if isinstance(obj, list):
+        return [_move(o, device) for o in obj]
+    return obj
+
+
+@dataclass(slots=True)
+class LMConfig:
+    """Hyper-parameters every architecture has, read from `<arch>.*` GGUF keys."""
+    arch: str
+    n_layers: int
+    d_model: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    n_ff: int
+    n_vocab: int
+    n_ctx_train: int
+    norm_eps: float
+    rope_base: float
+    rope_dim: int
+    ffn_variant: str
+
+    @classmethod
+    def read(cls, g: GGUFFile, eps_key: str, default_ffn: str, **extra) -> dict:
+        a = g.architecture
+        d_model = g.require(f"{a}.embedding_length")
+        n_heads = g.require(f"{a}.attention.head_count")
+        n_kv = g.get(f"{a}.attention.head_count_kv", n_heads)
+        if not isinstance(n_kv, int):
+            raise ModelError(f"{g.path}: metadata {a}.attention.head_count_kv must be one integer")
+        if n_heads <= 0 or n_kv <= 0 or n_heads % n_kv:
+            raise ModelError(f"{g.path}: metadata {a}.attention.head_count {n_heads} is not a multiple of "
+                             f"head_count_kv {n_kv}")
+        head_dim = g.get(f"{a}.attention.key_length", d_model // n_heads)
+        embd = g.tensors.get("token_embd.weight")
+        if embd is None:
+            raise ModelError(f"{g.path}: tensor token_embd.weight is missing")
+        ffn = g.get("hybridsparse.ffn_activation", default_ffn)
+        from ..layers import FFN_VARIANTS
+        if ffn not in FFN_VARIANTS:
+            raise ModelError(f"{g.path}: metadata hybridsparse.ffn_activation = {ffn!r} "
+                             f"(expected one of {sorted(FFN_VARIANTS)})")
+        fields = dict(
+            arch=a, n_layers=g.require(f"{a}.block_count"), d_model=d_model, n_heads=n_heads,
+            n_kv_heads=n_kv, head_dim=head_dim, n_ff=g.require(f"{a}.feed_forward_length"),
+            n_vocab=embd.shape[1], n_ctx_train=g.get(f"{a}.context_length", 2048),
+            norm_eps=float(g.require(f"{a}.{eps_key}", float)),
+            rope_base=float(g.get(f"{a}.rope.freq_base", 10000.0)),
+            rope_dim=g.get(f"{a}.rope.dimension_count", head_dim), ffn_variant=ffn)
+        fields.update(extra)
+        return fields
+
+
+def load_ffn(w: Weights, prefix: str, c: LMConfig, gated: bool) -> "FFNWeights":
+    """up / gate / down of one layer; PowerInfer files store the down projection transposed
+    (`ffn_down_t`, one row per neuron)."""
+    from ..layers import FFNWeights
+    down_t = w.has(prefix + "ffn_down_t.weight")
+    return FFNWeights(
+        up=w.matrix(prefix + "ffn_up.weight", c.n_ff, c.d_model),
+        gate=w.matrix(prefix + "ffn_gate.weight", c.n_ff, c.d_model) if gated else None,
+        down=(w.matrix(prefix + "ffn_down_t.weight", c.n_ff, c.d_model) if down_t
+              else w.matrix(prefix + "ffn_down.weight", c.d_model, c.n_ff)),
+        down_transposed=down_t,
+        up_bias=w.optional_vector(prefix + "ffn_up.bias", c.n_ff),
+        down_bias=w.optional_vector(prefix + ("ffn_down_t.bias" if down_t else "ffn_down.bias"), c.d_model),
+    )

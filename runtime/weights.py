@@ -1,0 +1,75 @@
+"""Weight matrices kept in their stored GGML format, and the one `linear` every layer calls.
+
+A `QWeight` is [out_features, in_features] with one row per output feature, exactly as GGUF stores
+it (`data` is uint8 [rows, row_bytes] for block formats, a float tensor for F32/F16/BF16). Rows are
+independent in every format, so slicing and gathering rows works on quantized data too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from . import kernels
+from .quants import FLOAT_TYPES, dequantize
+
+
+@dataclass(slots=True)
+class QWeight:
+    data: torch.Tensor
+    qtype: Q
+    in_features: int
+
+    @property
+    def out_features(self) -> int:
+        return self.data.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+    @classmethod
+    def from_raw(cls, raw: torch.Tensor, qtype: Q, in_features: int) -> "QWeight":
+        if qtype in FLOAT_TYPES:
+            raw = raw.view(FLOAT_TYPES[qtype])
+        return cls(raw, qtype, in_features)
+
+    @classmethod
+    def from_float(cls, w: torch.Tensor) -> "QWeight":
+        return cls(w.float().contiguous(), Q.F32, w.shape[1])
+
+    def rows(self, start: int, end: int) -> "QWeight":
+        return QWeight(self.data[start:end], self.qtype, self.in_features)
+
+    def dequantize(self) -> torch.Tensor:
+        return dequantize(self.data, self.qtype)
+
+    def to(self, device: torch.device) -> "QWeight":
+        """On CUDA, float weights move as they are; block formats the CUDA kernels do not cover are
+        dequantized once to float16."""
+        device = torch.device(device)
+        if device.type == "cpu" or self.data.device == device:
+            return self if self.data.device == device else QWeight(self.data.cpu(), self.qtype, self.in_features)
+        if self.qtype in FLOAT_TYPES:
+            return QWeight(self.data.to(device), self.qtype, self.in_features)
+        if kernels.cuda_supports(self.qtype):
+            return QWeight(self.data.to(device), self.qtype, self.in_features)
+        return QWeight(self.dequantize().half().to(device), Q.F16, self.in_features)
+
+
+def linear(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, in_features] float32 -> [T, out_features] float32."""
+    y = kernels.matmul(x, w.data, w.qtype)
+    return y + bias if bias is not None else y
+
+
+def linear_t(h: torch.Tensor, w_t: QWeight) -> torch.Tensor:
+    """h [T, rows] @ w_t [rows, in_features] -> [T, in_features]: the down projection over rows that
+    are neurons (`ffn_down_t`)."""
+    return kernels.matmul_t(h, w_t.data, w_t.qtype)

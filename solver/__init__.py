@@ -1,0 +1,1 @@
+"""hybridsparse.solver: a pipeline stage (see README)."""
