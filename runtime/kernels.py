@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from gguf import GGMLQuantizationType as Q
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 
 from .quants import FLOAT_TYPES, dequantize
 
@@ -81,7 +81,28 @@ def build(verbose: bool = False):
         extra_ldflags=["-fopenmp"] + (["-fsanitize=address"] if os.environ.get("HS_SANITIZE") else []),
         is_python_module=False, verbose=verbose, with_cuda=with_cuda,
     )
+    _register_fakes()
     return torch.ops.hybridsparse
+
+
+def _register_fakes() -> None:
+    """Shape-only implementations so torch.compile / meta tensors can trace the ops."""
+    if getattr(_register_fakes, "done", False):
+        return
+    _register_fakes.done = True
+
+    @torch.library.register_fake("hybridsparse::qmatmul")
+    def _(w, qtype, x):
+        return x.new_empty((x.shape[0], w.shape[0]))
+
+    @torch.library.register_fake("hybridsparse::rms_norm")
+    def _(x, w, eps):
+        return torch.empty_like(x)
+
+    @torch.library.register_fake("hybridsparse::qmatmul_t")
+    def _(w, qtype, h):
+        block, size = GGML_QUANT_SIZES[Q(qtype)]
+        return h.new_empty((h.shape[0], w.shape[1] * w.element_size() // size * block))
 
 
 def ops():
@@ -158,3 +179,15 @@ def matmul_t(h: torch.Tensor, data: torch.Tensor, qtype: Q) -> torch.Tensor:
     if qtype in CPU_QTYPES and ops() is not None:
         return ops().qmatmul_t(data, int(qtype), h.contiguous())
     return matmul_t_reference(h, data, qtype)
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.is_cuda:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    if ops() is not None:
+        return ops().rms_norm(x, weight, eps)
+    return rms_norm_reference(x, weight, eps)

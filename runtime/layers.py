@@ -6,16 +6,17 @@ Activations are float32 [tokens, features]; weights are `QWeight`s applied throu
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
+from . import kernels
 from .weights import QWeight, linear, linear_t
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+    return kernels.rms_norm(x, weight, eps)
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -95,10 +96,12 @@ class Rotary:
         self.cos, self.sin = self.cos.to(device), self.sin.to(device)
         return self
 
-    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x [T, heads, head_dim]; only the first `dim` features rotate."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
+    def apply(self, x: torch.Tensor, step: "Step") -> torch.Tensor:
+        """x [T, heads, head_dim] at the step's positions; only the first `dim` features rotate."""
+        key = id(self)
+        if key not in step.rope:  # gathered once per step, shared by every layer
+            step.rope[key] = (self.cos[step.positions].unsqueeze(1), self.sin[step.positions].unsqueeze(1))
+        cos, sin = step.rope[key]
         rot, rest = x[..., :self.dim], x[..., self.dim:]
         if self.style == "neox":
             a, b = rot.chunk(2, dim=-1)
@@ -115,20 +118,27 @@ class Rotary:
 @dataclass(slots=True)
 class Step:
     """What one forward call needs on one device: positions of the new tokens, how many cache slots
-    to attend over, and the attention masks (one per sliding-window size, None = full causal)."""
+    to attend over; additive attention masks and rotary tables are built once here and shared by
+    every layer of the step."""
     positions: torch.Tensor  # int64 [T]
     kv_len: int
-    masks: dict
+    masks: dict = field(default_factory=dict)  # (window, group) -> float [group*T, kv_len]
+    rope: dict = field(default_factory=dict)  # id(Rotary) -> (cos, sin)
 
     @classmethod
-    def build(cls, positions: torch.Tensor, kv_len: int, windows) -> "Step":
-        slots = torch.arange(kv_len, device=positions.device)
-        causal = slots.unsqueeze(0) <= positions.unsqueeze(1)
-        masks = {}
-        for window in windows:
-            masks[window] = causal if window is None else causal & (
-                positions.unsqueeze(1) - slots.unsqueeze(0) < window)
-        return cls(positions, kv_len, masks)
+    def build(cls, positions: torch.Tensor, kv_len: int, windows=()) -> "Step":
+        return cls(positions, kv_len)
+
+    def mask(self, window: int | None, group: int) -> torch.Tensor:
+        key = (window, group)
+        if key not in self.masks:
+            slots = torch.arange(self.kv_len, device=self.positions.device)
+            allowed = slots.unsqueeze(0) <= self.positions.unsqueeze(1)
+            if window is not None:
+                allowed &= self.positions.unsqueeze(1) - slots.unsqueeze(0) < window
+            bias = torch.zeros(allowed.shape, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+            self.masks[key] = bias.repeat(group, 1) if group > 1 else bias
+        return self.masks[key]
 
 
 class KVCache:
@@ -149,11 +159,13 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, st
     cache.v.index_copy_(1, step.positions, v.transpose(0, 1).to(cache.v.dtype))
     keys, values = cache.k[:, :step.kv_len], cache.v[:, :step.kv_len]
     group = n_q // n_kv
-    qg = q.view(T, n_kv, group, D).permute(1, 2, 0, 3).reshape(n_kv, group * T, D).to(keys.dtype)
-    mask = step.masks[window]
-    if group > 1:
-        mask = mask.repeat(group, 1)
-    out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=scale)
+    qg = q.view(T, n_kv, group, D).permute(1, 2, 0, 3).reshape(n_kv, group * T, D)
+    if keys.dtype != torch.float32:  # CUDA: half-precision cache
+        out = F.scaled_dot_product_attention(qg.to(keys.dtype), keys, values,
+                                             attn_mask=step.mask(window, group).to(keys.dtype), scale=scale)
+    else:  # three ops instead of SDPA's many: what a decode step on the CPU spends its time on
+        scores = torch.baddbmm(step.mask(window, group), qg, keys.transpose(1, 2), alpha=scale)
+        out = torch.bmm(torch.softmax(scores, dim=-1), values)
     return out.view(n_kv, group, T, D).permute(2, 0, 1, 3).reshape(T, n_q * D).float()
 
 

@@ -106,7 +106,7 @@ class Gemma3(CausalLM):
         q = rms_norm(linear(h, L.q).view(-1, c.n_heads, c.head_dim), L.q_norm, c.norm_eps)
         k = rms_norm(linear(h, L.k).view(-1, c.n_kv_heads, c.head_dim), L.k_norm, c.norm_eps)
         v = linear(h, L.v).view(-1, c.n_kv_heads, c.head_dim)
-        q, k = rope.apply(q, step.positions), rope.apply(k, step.positions)
+        q, k = rope.apply(q, step), rope.apply(k, step)
         a = attend(q, k, v, cache, step, c.sliding_window if sliding else None, c.attn_scale)
         x = x + rms_norm(linear(a, L.o), L.post_attn_norm, c.norm_eps)
         h = ffn(rms_norm(x, L.ffn_norm, c.norm_eps), L.ffn, FFN_VARIANTS[c.ffn_variant])

@@ -85,7 +85,7 @@ class Llama(CausalLM):
         q = linear(h, L.q, L.q_bias).view(-1, c.n_heads, c.head_dim)
         k = linear(h, L.k, L.k_bias).view(-1, c.n_kv_heads, c.head_dim)
         v = linear(h, L.v, L.v_bias).view(-1, c.n_kv_heads, c.head_dim)
-        q, k = rope.apply(q, step.positions), rope.apply(k, step.positions)
+        q, k = rope.apply(q, step), rope.apply(k, step)
         x = x + linear(attend(q, k, v, cache, step, None, default_scale(c.head_dim)), L.o)
         return x + ffn(rms_norm(x, L.ffn_norm, c.norm_eps), L.ffn, FFN_VARIANTS[c.ffn_variant])
 

@@ -1,0 +1,369 @@
+// Row dot products of one weight row (stored format) with quantized activations: scalar reference
+// versions and AVX2+FMA+F16C versions, chosen once at run time by CPUID.
+#pragma once
+#include <cmath>
+
+#include "quant_blocks.h"
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define HS_X86 1
+#define HS_AVX2 __attribute__((target("avx2,fma,f16c")))
+#endif
+
+namespace hs {
+
+// ---- activation quantization (symmetric, amax / 127, round half away from zero) ------------------
+
+inline void quantize_act_q8(const float* x, ActQ8* out, int64_t n) {
+  for (int64_t b = 0; b < n / QK; ++b) {
+    const float* xb = x + b * QK;
+    float amax = 0.f;
+    for (int i = 0; i < QK; ++i) amax = std::fmax(amax, std::fabs(xb[i]));
+    const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
+    out[b].d = d;
+    for (int i = 0; i < QK; ++i) out[b].qs[i] = static_cast<int8_t>(std::lround(xb[i] * id));
+  }
+}
+
+inline void quantize_act_q8k(const float* x, ActQ8K* out, int64_t n) {
+  for (int64_t b = 0; b < n / QK_K; ++b) {
+    const float* xb = x + b * QK_K;
+    float amax = 0.f;
+    for (int i = 0; i < QK_K; ++i) amax = std::fmax(amax, std::fabs(xb[i]));
+    const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
+    out[b].d = d;
+    for (int g = 0; g < QK_K / 16; ++g) {
+      int32_t s = 0;
+      for (int i = 0; i < 16; ++i) {
+        const int8_t q = static_cast<int8_t>(std::lround(xb[g * 16 + i] * id));
+        out[b].qs[g * 16 + i] = q;
+        s += q;
+      }
+      out[b].bsums[g] = s;
+    }
+  }
+}
+
+// ---- scalar reference dot products ------------------------------------------------------------------
+
+inline void k_scale_min(const uint8_t* s, int j, int& sc, int& m) {
+  if (j < 4) { sc = s[j] & 63; m = s[j + 4] & 63; }
+  else { sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4); m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4); }
+}
+
+inline float dot_q4_0_ref(const void* row, const ActQ8* a, int64_t nb) {
+  const BlockQ4_0* w = static_cast<const BlockQ4_0*>(row);
+  float acc = 0.f;
+  for (int64_t b = 0; b < nb; ++b) {
+    int s = 0;
+    for (int i = 0; i < 16; ++i) {
+      s += ((w[b].qs[i] & 0xF) - 8) * a[b].qs[i] + ((w[b].qs[i] >> 4) - 8) * a[b].qs[i + 16];
+    }
+    acc += fp16_to_float(w[b].d) * a[b].d * s;
+  }
+  return acc;
+}
+
+inline float dot_q5_0_ref(const void* row, const ActQ8* a, int64_t nb) {
+  const BlockQ5_0* w = static_cast<const BlockQ5_0*>(row);
+  float acc = 0.f;
+  for (int64_t b = 0; b < nb; ++b) {
+    uint32_t qh; std::memcpy(&qh, w[b].qh, 4);
+    int s = 0;
+    for (int i = 0; i < 16; ++i) {
+      const int lo = static_cast<int>((w[b].qs[i] & 0xF) | (((qh >> i) & 1) << 4)) - 16;
+      const int hi = static_cast<int>((w[b].qs[i] >> 4) | (((qh >> (i + 16)) & 1) << 4)) - 16;
+      s += lo * a[b].qs[i] + hi * a[b].qs[i + 16];
+    }
+    acc += fp16_to_float(w[b].d) * a[b].d * s;
+  }
+  return acc;
+}
+
+inline float dot_q8_0_ref(const void* row, const ActQ8* a, int64_t nb) {
+  const BlockQ8_0* w = static_cast<const BlockQ8_0*>(row);
+  float acc = 0.f;
+  for (int64_t b = 0; b < nb; ++b) {
+    int s = 0;
+    for (int i = 0; i < QK; ++i) s += w[b].qs[i] * a[b].qs[i];
+    acc += fp16_to_float(w[b].d) * a[b].d * s;
+  }
+  return acc;
+}
+
+inline float dot_q4_k_ref(const void* row, const ActQ8K* a, int64_t nb) {
+  const BlockQ4_K* w = static_cast<const BlockQ4_K*>(row);
+  float acc = 0.f;
+  for (int64_t b = 0; b < nb; ++b) {
+    int32_t sum_q = 0, sum_m = 0;
+    for (int j = 0; j < 8; ++j) {
+      int sc, m; k_scale_min(w[b].scales, j, sc, m);
+      const uint8_t* qs = w[b].qs + (j / 2) * 32;
+      int s = 0;
+      for (int l = 0; l < 32; ++l) s += ((j & 1) ? (qs[l] >> 4) : (qs[l] & 0xF)) * a[b].qs[j * 32 + l];
+      sum_q += sc * s;
+      sum_m += m * (a[b].bsums[2 * j] + a[b].bsums[2 * j + 1]);
+    }
+    acc += a[b].d * (fp16_to_float(w[b].d) * sum_q - fp16_to_float(w[b].dmin) * sum_m);
+  }
+  return acc;
+}
+
+inline float dot_q5_k_ref(const void* row, const ActQ8K* a, int64_t nb) {
+  const BlockQ5_K* w = static_cast<const BlockQ5_K*>(row);
+  float acc = 0.f;
+  for (int64_t b = 0; b < nb; ++b) {
+    int32_t sum_q = 0, sum_m = 0;
+    for (int j = 0; j < 8; ++j) {
+      int sc, m; k_scale_min(w[b].scales, j, sc, m);
+      const uint8_t* qs = w[b].qs + (j / 2) * 32;
+      int s = 0;
+      for (int l = 0; l < 32; ++l) {
+        const int q = ((j & 1) ? (qs[l] >> 4) : (qs[l] & 0xF)) | (((w[b].qh[l] >> j) & 1) << 4);
+        s += q * a[b].qs[j * 32 + l];
+      }
+      sum_q += sc * s;
+      sum_m += m * (a[b].bsums[2 * j] + a[b].bsums[2 * j + 1]);
+    }
+    acc += a[b].d * (fp16_to_float(w[b].d) * sum_q - fp16_to_float(w[b].dmin) * sum_m);
+  }
+  return acc;
+}
+
+inline float dot_q6_k_ref(const void* row, const ActQ8K* a, int64_t nb) {
+  const BlockQ6_K* w = static_cast<const BlockQ6_K*>(row);
+  float acc = 0.f;
+  for (int64_t b = 0; b < nb; ++b) {
+    int32_t sum = 0;
+    for (int n = 0; n < 2; ++n) {
+      const uint8_t* ql = w[b].ql + 64 * n;
+      const uint8_t* qh = w[b].qh + 32 * n;
+      for (int k = 0; k < 4; ++k) {
+        for (int half = 0; half < 2; ++half) {
+          int s = 0;
+          for (int l = half * 16; l < half * 16 + 16; ++l) {
+            const int low = (k & 1) ? ql[l + 32] : ql[l];
+            const int q = (((k & 2) ? (low >> 4) : (low & 0xF)) | (((qh[l] >> (2 * k)) & 3) << 4)) - 32;
+            s += q * a[b].qs[128 * n + 32 * k + l];
+          }
+          sum += w[b].scales[8 * n + 2 * k + half] * s;
+        }
+      }
+    }
+    acc += a[b].d * fp16_to_float(w[b].d) * sum;
+  }
+  return acc;
+}
+
+template <typename T>
+inline float dot_float_ref(const void* row, const float* x, int64_t n) {
+  const T* w = static_cast<const T*>(row);
+  float acc = 0.f;
+  for (int64_t i = 0; i < n; ++i) acc += static_cast<float>(w[i]) * x[i];
+  return acc;
+}
+
+#ifdef HS_X86
+// ---- AVX2 ------------------------------------------------------------------------------------------
+
+HS_AVX2 static inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// signed int8 x signed int8, 32 lanes -> 8 int32 partial sums
+HS_AVX2 static inline __m256i dot_i8(__m256i w, __m256i x) {
+  const __m256i ax = _mm256_sign_epi8(w, w);
+  const __m256i sy = _mm256_sign_epi8(x, w);
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(ax, sy), _mm256_set1_epi16(1));
+}
+
+HS_AVX2 static inline __m256i nibbles_32(const uint8_t* qs) {  // 16 bytes -> 32 values 0..15
+  const __m128i t = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  const __m256i both = _mm256_set_m128i(_mm_srli_epi16(t, 4), t);
+  return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
+}
+
+HS_AVX2 static inline __m256i bytes_from_bits_32(const uint8_t* x) {  // bit i set -> byte i = 0xFF
+  uint32_t x32; std::memcpy(&x32, x, 4);
+  const __m256i shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
+  __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(x32)), shuf);
+  bytes = _mm256_or_si256(bytes, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
+  return _mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1));
+}
+
+HS_AVX2 static inline float dot_q4_0_avx2(const void* row, const ActQ8* a, int64_t nb) {
+  const BlockQ4_0* w = static_cast<const BlockQ4_0*>(row);
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m256i q = _mm256_sub_epi8(nibbles_32(w[b].qs), _mm256_set1_epi8(8));
+    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a[b].qs));
+    const __m256 d = _mm256_set1_ps(_cvtsh_ss(w[b].d) * a[b].d);
+    acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(dot_i8(q, x)), acc);
+  }
+  return hsum(acc);
+}
+
+HS_AVX2 static inline float dot_q5_0_avx2(const void* row, const ActQ8* a, int64_t nb) {
+  const BlockQ5_0* w = static_cast<const BlockQ5_0*>(row);
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    // (nibble | bit << 4) - 16 == nibble | (bit ? 0 : 0xF0) in two's complement
+    const __m256i hi = _mm256_andnot_si256(bytes_from_bits_32(w[b].qh), _mm256_set1_epi8(static_cast<char>(0xF0)));
+    const __m256i q = _mm256_or_si256(nibbles_32(w[b].qs), hi);
+    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a[b].qs));
+    const __m256 d = _mm256_set1_ps(_cvtsh_ss(w[b].d) * a[b].d);
+    acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(dot_i8(q, x)), acc);
+  }
+  return hsum(acc);
+}
+
+HS_AVX2 static inline float dot_q8_0_avx2(const void* row, const ActQ8* a, int64_t nb) {
+  const BlockQ8_0* w = static_cast<const BlockQ8_0*>(row);
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  int64_t b = 0;
+  for (; b + 1 < nb; b += 2) {
+    const __m256i q0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[b].qs));
+    const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a[b].qs));
+    const __m256i q1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[b + 1].qs));
+    const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a[b + 1].qs));
+    acc0 = _mm256_fmadd_ps(_mm256_set1_ps(_cvtsh_ss(w[b].d) * a[b].d), _mm256_cvtepi32_ps(dot_i8(q0, x0)), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_set1_ps(_cvtsh_ss(w[b + 1].d) * a[b + 1].d), _mm256_cvtepi32_ps(dot_i8(q1, x1)), acc1);
+  }
+  for (; b < nb; ++b) {
+    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[b].qs));
+    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a[b].qs));
+    acc0 = _mm256_fmadd_ps(_mm256_set1_ps(_cvtsh_ss(w[b].d) * a[b].d), _mm256_cvtepi32_ps(dot_i8(q, x)), acc0);
+  }
+  return hsum(_mm256_add_ps(acc0, acc1));
+}
+
+// unsigned weights (0..63) x signed activations, 32 lanes, times a per-16 scale pair -> 8 int32
+HS_AVX2 static inline __m256i dot_u8_scaled(__m256i q, const int8_t* x, int16_t s_lo, int16_t s_hi) {
+  const __m256i p = _mm256_maddubs_epi16(q, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
+  const __m256i s = _mm256_set_m128i(_mm_set1_epi16(s_hi), _mm_set1_epi16(s_lo));
+  return _mm256_madd_epi16(p, s);
+}
+
+HS_AVX2 static inline int hsum_i32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+  return _mm_cvtsi128_si32(s);
+}
+
+template <bool FIVE_BIT>
+HS_AVX2 static inline float dot_q45_k_avx2(const void* row, const ActQ8K* a, int64_t nb) {
+  float acc = 0.f;
+  const __m256i m4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* scales;
+    const uint8_t* qs;
+    const uint8_t* qh = nullptr;
+    uint16_t d16, dmin16;
+    if constexpr (FIVE_BIT) {
+      const BlockQ5_K* w = static_cast<const BlockQ5_K*>(row) + b;
+      scales = w->scales; qs = w->qs; qh = w->qh; d16 = w->d; dmin16 = w->dmin;
+    } else {
+      const BlockQ4_K* w = static_cast<const BlockQ4_K*>(row) + b;
+      scales = w->scales; qs = w->qs; d16 = w->d; dmin16 = w->dmin;
+    }
+    int sc[8], m[8];
+    for (int j = 0; j < 8; ++j) k_scale_min(scales, j, sc[j], m[j]);
+    __m256i sumi = _mm256_setzero_si256();
+    const __m256i hbits = FIVE_BIT ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh)) : _mm256_setzero_si256();
+    for (int j = 0; j < 4; ++j) {
+      const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * j));
+      __m256i lo = _mm256_and_si256(bits, m4);
+      __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4);
+      if constexpr (FIVE_BIT) {
+        lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hbits, 2 * j), one), 4));
+        hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hbits, 2 * j + 1), one), 4));
+      }
+      sumi = _mm256_add_epi32(sumi, dot_u8_scaled(lo, a[b].qs + 64 * j, sc[2 * j], sc[2 * j]));
+      sumi = _mm256_add_epi32(sumi, dot_u8_scaled(hi, a[b].qs + 64 * j + 32, sc[2 * j + 1], sc[2 * j + 1]));
+    }
+    int32_t sum_m = 0;
+    for (int j = 0; j < 8; ++j) sum_m += m[j] * (a[b].bsums[2 * j] + a[b].bsums[2 * j + 1]);
+    acc += a[b].d * (_cvtsh_ss(d16) * hsum_i32(sumi) - _cvtsh_ss(dmin16) * sum_m);
+  }
+  return acc;
+}
+
+HS_AVX2 static inline float dot_q6_k_avx2(const void* row, const ActQ8K* a, int64_t nb) {
+  const BlockQ6_K* w = static_cast<const BlockQ6_K*>(row);
+  float acc = 0.f;
+  const __m256i m4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(3);
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256i sumi = _mm256_setzero_si256();
+    int32_t corr = 0;
+    for (int n = 0; n < 2; ++n) {
+      const __m256i ql0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[b].ql + 64 * n));
+      const __m256i ql1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[b].ql + 64 * n + 32));
+      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[b].qh + 32 * n));
+      const __m256i q[4] = {
+        _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_slli_epi16(_mm256_and_si256(qh, m3), 4)),
+        _mm256_or_si256(_mm256_and_si256(ql1, m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), m3), 4)),
+        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), m3), 4)),
+        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), m3), 4)),
+      };
+      for (int k = 0; k < 4; ++k) {
+        const int8_t s0 = w[b].scales[8 * n + 2 * k], s1 = w[b].scales[8 * n + 2 * k + 1];
+        sumi = _mm256_add_epi32(sumi, dot_u8_scaled(q[k], a[b].qs + 128 * n + 32 * k, s0, s1));
+        corr += s0 * a[b].bsums[8 * n + 2 * k] + s1 * a[b].bsums[8 * n + 2 * k + 1];
+      }
+    }
+    acc += a[b].d * _cvtsh_ss(w[b].d) * (hsum_i32(sumi) - 32 * corr);
+  }
+  return acc;
+}
+
+HS_AVX2 static inline float dot_f16_avx2(const void* row, const float* x, int64_t n) {
+  const uint16_t* w = static_cast<const uint16_t*>(row);
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    a0 = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + i))), _mm256_loadu_ps(x + i), a0);
+    a1 = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + i + 8))), _mm256_loadu_ps(x + i + 8), a1);
+  }
+  float acc = hsum(_mm256_add_ps(a0, a1));
+  for (; i < n; ++i) acc += _cvtsh_ss(w[i]) * x[i];
+  return acc;
+}
+
+HS_AVX2 static inline __m256 bf16x8(const uint16_t* p) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+}
+
+HS_AVX2 static inline float dot_bf16_avx2(const void* row, const float* x, int64_t n) {
+  const uint16_t* w = static_cast<const uint16_t*>(row);
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    a0 = _mm256_fmadd_ps(bf16x8(w + i), _mm256_loadu_ps(x + i), a0);
+    a1 = _mm256_fmadd_ps(bf16x8(w + i + 8), _mm256_loadu_ps(x + i + 8), a1);
+  }
+  float acc = hsum(_mm256_add_ps(a0, a1));
+  for (; i < n; ++i) {
+    uint32_t bits = static_cast<uint32_t>(w[i]) << 16; float f; std::memcpy(&f, &bits, 4);
+    acc += f * x[i];
+  }
+  return acc;
+}
+#endif  // HS_X86
+
+inline bool cpu_has_avx2() {
+#ifdef HS_X86
+  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                         __builtin_cpu_supports("f16c");
+  return ok;
+#else
+  return false;
+#endif
+}
+
+}  // namespace hs

@@ -1,0 +1,173 @@
+// Dense matmul on weights in their stored GGML format, on the CPU:
+//   qmatmul   : y[T, N] = x[T, K] . W[N, K]^T   (one dot product per weight row and token)
+//   qmatmul_t : y[T, K] = h[T, N] . W[N, K]     (rows are neurons: ffn_down_t; per-thread partial
+//               outputs summed afterwards, so no two threads ever write the same float)
+// Activations are quantized to 8 bits per block for the block formats, as llama.cpp does.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <vector>
+
+#include "cpu_dot.h"
+
+namespace hs {
+namespace {
+
+void check_weight(const at::Tensor& w, int64_t qtype, int64_t K, const char* op) {
+  TORCH_CHECK(w.device().is_cpu(), op, ": weight must be on the CPU");
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), op, ": weight must be a contiguous 2-D tensor");
+  const int be = block_elems(qtype), bb = block_bytes(qtype);
+  TORCH_CHECK(bb > 0 && qtype != F32, op, ": unsupported weight type id ", qtype);
+  if (qtype == F16 || qtype == BF16) {
+    TORCH_CHECK(w.scalar_type() == (qtype == F16 ? at::kHalf : at::kBFloat16) || w.scalar_type() == at::kByte,
+                op, ": weight dtype ", w.scalar_type(), " does not match type id ", qtype);
+  } else {
+    TORCH_CHECK(w.scalar_type() == at::kByte, op, ": block-format weights must be uint8, got ", w.scalar_type());
+  }
+  TORCH_CHECK(K % be == 0, op, ": row length ", K, " is not a multiple of the block size ", be);
+  TORCH_CHECK(w.size(1) * w.element_size() == K / be * bb, op, ": weight row has ", w.size(1) * w.element_size(),
+              " bytes, expected ", K / be * bb, " for ", K, " elements");
+}
+
+using DotQ8 = float (*)(const void*, const ActQ8*, int64_t);
+using DotQ8K = float (*)(const void*, const ActQ8K*, int64_t);
+using DotF = float (*)(const void*, const float*, int64_t);
+
+DotQ8 pick_q8(int64_t qtype) {
+  const bool v = cpu_has_avx2();
+#ifdef HS_X86
+  if (v) {
+    switch (qtype) {
+      case Q4_0: return dot_q4_0_avx2;
+      case Q5_0: return dot_q5_0_avx2;
+      case Q8_0: return dot_q8_0_avx2;
+    }
+  }
+#endif
+  (void)v;
+  switch (qtype) {
+    case Q4_0: return dot_q4_0_ref;
+    case Q5_0: return dot_q5_0_ref;
+    case Q8_0: return dot_q8_0_ref;
+  }
+  return nullptr;
+}
+
+DotQ8K pick_q8k(int64_t qtype) {
+#ifdef HS_X86
+  if (cpu_has_avx2()) {
+    switch (qtype) {
+      case Q4_K: return dot_q45_k_avx2<false>;
+      case Q5_K: return dot_q45_k_avx2<true>;
+      case Q6_K: return dot_q6_k_avx2;
+    }
+  }
+#endif
+  switch (qtype) {
+    case Q4_K: return dot_q4_k_ref;
+    case Q5_K: return dot_q5_k_ref;
+    case Q6_K: return dot_q6_k_ref;
+  }
+  return nullptr;
+}
+
+DotF pick_float(int64_t qtype) {
+#ifdef HS_X86
+  if (cpu_has_avx2()) return qtype == F16 ? dot_f16_avx2 : dot_bf16_avx2;
+#endif
+  return qtype == F16 ? dot_float_ref<c10::Half> : dot_float_ref<c10::BFloat16>;
+}
+
+// Runs dot(row n, token t) for all rows (split across threads) and tokens.
+template <typename F>
+void for_rows(int64_t N, int64_t T, float* y, F dot) {
+  const int64_t grain = std::max<int64_t>(16, N / (at::get_num_threads() * 4));
+  at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n)
+      for (int64_t t = 0; t < T; ++t) y[t * N + n] = dot(n, t);
+  });
+}
+
+}  // namespace
+
+at::Tensor qmatmul_cpu(const at::Tensor& w, int64_t qtype, const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "qmatmul: x must be a contiguous float32 [tokens, features] tensor");
+  const int64_t T = x.size(0), K = x.size(1), N = w.size(0);
+  check_weight(w, qtype, K, "qmatmul");
+  auto y = at::empty({T, N}, x.options());
+  if (T == 0 || N == 0) return y;
+  const uint8_t* wp = static_cast<const uint8_t*>(w.data_ptr());
+  const int64_t row_bytes = w.size(1) * w.element_size();
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int be = block_elems(qtype);
+  const int64_t nb = K / be;
+  if (qtype == F16 || qtype == BF16) {
+    DotF dot = pick_float(qtype);
+    for_rows(N, T, yp, [&](int64_t n, int64_t t) { return dot(wp + n * row_bytes, xp + t * K, K); });
+  } else if (be == QK) {
+    std::vector<ActQ8> act(T * nb);
+    for (int64_t t = 0; t < T; ++t) quantize_act_q8(xp + t * K, act.data() + t * nb, K);
+    DotQ8 dot = pick_q8(qtype);
+    for_rows(N, T, yp, [&](int64_t n, int64_t t) { return dot(wp + n * row_bytes, act.data() + t * nb, nb); });
+  } else {
+    std::vector<ActQ8K> act(T * nb);
+    for (int64_t t = 0; t < T; ++t) quantize_act_q8k(xp + t * K, act.data() + t * nb, K);
+    DotQ8K dot = pick_q8k(qtype);
+    for_rows(N, T, yp, [&](int64_t n, int64_t t) { return dot(wp + n * row_bytes, act.data() + t * nb, nb); });
+  }
+  return y;
+}
+
+// ---- the transposed product (rows are neurons) ------------------------------------------------------
+
+void dequant_row(const uint8_t* row, int64_t qtype, int64_t K, float* out);  // dequant.cpp
+
+at::Tensor qmatmul_t_cpu(const at::Tensor& w, int64_t qtype, const at::Tensor& h) {
+  TORCH_CHECK(h.dim() == 2 && h.scalar_type() == at::kFloat && h.is_contiguous(),
+              "qmatmul_t: h must be a contiguous float32 [tokens, rows] tensor");
+  const int64_t T = h.size(0), N = w.size(0);
+  TORCH_CHECK(h.size(1) == N, "qmatmul_t: h has ", h.size(1), " columns but the weight has ", N, " rows");
+  const int be = block_elems(qtype), bb = block_bytes(qtype);
+  TORCH_CHECK(bb > 0, "qmatmul_t: unsupported weight type id ", qtype);
+  const int64_t row_bytes = w.size(1) * w.element_size();
+  const int64_t K = row_bytes / bb * be;
+  check_weight(w, qtype, K, "qmatmul_t");
+  auto y = at::zeros({T, K}, h.options());
+  if (T == 0 || N == 0 || K == 0) return y;
+  const uint8_t* wp = static_cast<const uint8_t*>(w.data_ptr());
+  const float* hp = h.data_ptr<float>();
+  const int n_threads = at::get_num_threads();
+  std::vector<float> partial(static_cast<size_t>(n_threads) * T * K, 0.f);
+  at::parallel_for(0, n_threads, 1, [&](int64_t tb, int64_t te) {
+    std::vector<float> row(K);
+    for (int64_t tid = tb; tid < te; ++tid) {
+      float* acc = partial.data() + tid * T * K;
+      const int64_t r0 = N * tid / n_threads, r1 = N * (tid + 1) / n_threads;
+      for (int64_t n = r0; n < r1; ++n) {
+        bool any = false;
+        for (int64_t t = 0; t < T && !any; ++t) any = hp[t * N + n] != 0.f;
+        if (!any) continue;  // an inactive neuron costs nothing
+        dequant_row(wp + n * row_bytes, qtype, K, row.data());
+        for (int64_t t = 0; t < T; ++t) {
+          const float s = hp[t * N + n];
+          if (s == 0.f) continue;
+          float* out = acc + t * K;
+          for (int64_t k = 0; k < K; ++k) out[k] += s * row[k];
+        }
+      }
+    }
+  });
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, T * K, 4096, [&](int64_t b, int64_t e) {
+    for (int tid = 0; tid < n_threads; ++tid) {
+      const float* p = partial.data() + static_cast<int64_t>(tid) * T * K;
+      for (int64_t i = b; i < e; ++i) yp[i] += p[i];
+    }
+  });
+  return y;
+}
+
+}  // namespace hs
