@@ -1,0 +1,105 @@
+"""Every architecture against transformers' implementation with the same random weights: logits of a
+prefill and of token-by-token decode with the KV cache, fp32, within 1e-4 of the logit scale."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+import transformers as tf
+
+from hybridsparse.runtime.convert import write_gguf
+from hybridsparse.runtime.gguf_file import GGUFFile
+from hybridsparse.runtime.layers import KVCache
+from hybridsparse.runtime.models import load_model
+
+VOCAB, SEQ = 96, 13
+
+
+def _drelu_forward(self, x):
+    return self.down_proj(torch.relu(self.gate_proj(x)) * torch.relu(self.up_proj(x)))
+
+
+def _llama(act="silu", **kw):
+    cfg = tf.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, hidden_act=act, max_position_embeddings=64,
+                         rms_norm_eps=1e-6, tie_word_embeddings=False, **kw)
+    return tf.LlamaForCausalLM(cfg)
+
+
+def _drelu_llama():
+    model = _llama("relu")
+    for layer in model.model.layers:  # TurboSparse/Bamboo dReLU: relu on both gate and up
+        layer.mlp.forward = types.MethodType(_drelu_forward, layer.mlp)
+    return model
+
+
+CASES = {
+    "llama-swiglu": (_llama, {}),
+    "llama-relu": (lambda: _llama("relu"), {}),
+    "llama-drelu": (_drelu_llama, {"hybridsparse.ffn_activation": "drelu"}),
+    "llama-tied-mha": (lambda: tf.LlamaForCausalLM(tf.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, max_position_embeddings=64, tie_word_embeddings=True)), {}),
+    "qwen2": (lambda: tf.Qwen2ForCausalLM(tf.Qwen2Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)), {}),
+    "gemma3": (lambda: tf.Gemma3ForCausalLM(tf.Gemma3TextConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=32, max_position_embeddings=64, sliding_window=4,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        query_pre_attn_scalar=32)), {"attention.sliding_window_pattern": 3}),
+    "falcon-40b-relu": (lambda: tf.FalconForCausalLM(tf.FalconConfig(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_kv_heads=2,
+        new_decoder_architecture=True, parallel_attn=True, bias=False, alibi=False, activation="relu",
+        max_position_embeddings=64)), {}),
+    "falcon-7b-gelu": (lambda: tf.FalconForCausalLM(tf.FalconConfig(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, multi_query=True,
+        new_decoder_architecture=False, parallel_attn=True, bias=False, alibi=False, activation="gelu",
+        max_position_embeddings=64)), {}),
+    "opt": (lambda: tf.OPTForCausalLM(tf.OPTConfig(
+        vocab_size=VOCAB, hidden_size=64, ffn_dim=96, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=64, word_embed_proj_dim=64, do_layer_norm_before=True)), {}),
+}
+
+
+def build_case(name, tmp_path):
+    torch.manual_seed(0)
+    make, extra = CASES[name]
+    model = make().eval()
+    with torch.no_grad():  # random norm weights and biases, so mistakes in them show up
+        for pname, p in model.named_parameters():
+            if "norm" in pname or "ln" in pname or pname.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+    path = write_gguf(tmp_path / f"{name}.gguf", model.config, model.state_dict().items(), extra_metadata=extra)
+    return model, load_model(GGUFFile(path))
+
+
+def _close(ours, ref):
+    scale = ref.abs().max().item()
+    err = (ours - ref).abs().max().item()
+    assert err <= 1e-4 * max(scale, 1.0), f"max abs diff {err:.3g} vs logit scale {scale:.3g}"
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_logits_match_transformers(name, tmp_path):
+    ref_model, ours = build_case(name, tmp_path)
+    ids = torch.randint(0, VOCAB, (SEQ,), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = ref_model(ids.unsqueeze(0)).logits[0].float()
+    c = ours.config
+    cache = ours.new_cache(32)
+    with torch.inference_mode():
+        prefill = ours.forward(ids, torch.arange(SEQ), cache, SEQ, all_logits=True)
+    _close(prefill, ref)
+
+    cache = ours.new_cache(32)
+    steps = []
+    with torch.inference_mode():
+        head = 5  # a short prefill, then one token at a time
+        steps.append(ours.forward(ids[:head], torch.arange(head), cache, head, all_logits=True))
+        for pos in range(head, SEQ):
+            steps.append(ours.forward(ids[pos:pos + 1], torch.tensor([pos]), cache, pos + 1))
+    _close(torch.cat(steps), ref)
+    assert isinstance(cache[0], KVCache) and c.n_layers == len(cache)
