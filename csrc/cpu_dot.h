@@ -13,37 +13,40 @@
 
 namespace hs {
 
-// ---- activation quantization (symmetric, amax / 127, round half away from zero) ------------------
+// ---- activation quantization (see ActQ8): round half away from zero ------------------------------
+
+template <int N>
+inline float quantize_two_planes(const float* x, int8_t (*qs)[N]) {
+  float amax = 0.f;
+  for (int i = 0; i < N; ++i) amax = std::fmax(amax, std::fabs(x[i]));
+  const float d0 = amax / 127.f, id0 = d0 != 0.f ? 1.f / d0 : 0.f;
+  const float id1 = id0 * PLANE_SHIFT;
+  for (int i = 0; i < N; ++i) {
+    const long q0 = std::lround(x[i] * id0);
+    qs[0][i] = static_cast<int8_t>(q0);
+    qs[1][i] = static_cast<int8_t>(std::lround((x[i] - d0 * static_cast<float>(q0)) * id1));
+  }
+  return d0 / PLANE_SHIFT;
+}
 
 inline void quantize_act_q8(const float* x, ActQ8* out, int64_t n) {
-  for (int64_t b = 0; b < n / QK; ++b) {
-    const float* xb = x + b * QK;
-    float amax = 0.f;
-    for (int i = 0; i < QK; ++i) amax = std::fmax(amax, std::fabs(xb[i]));
-    const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
-    out[b].d = d;
-    for (int i = 0; i < QK; ++i) out[b].qs[i] = static_cast<int8_t>(std::lround(xb[i] * id));
-  }
+  for (int64_t b = 0; b < n / QK; ++b) out[b].d = quantize_two_planes<QK>(x + b * QK, out[b].qs);
 }
 
 inline void quantize_act_q8k(const float* x, ActQ8K* out, int64_t n) {
   for (int64_t b = 0; b < n / QK_K; ++b) {
-    const float* xb = x + b * QK_K;
-    float amax = 0.f;
-    for (int i = 0; i < QK_K; ++i) amax = std::fmax(amax, std::fabs(xb[i]));
-    const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
-    out[b].d = d;
+    out[b].d = quantize_two_planes<QK_K>(x + b * QK_K, out[b].qs);
     for (int g = 0; g < QK_K / 16; ++g) {
       int32_t s = 0;
-      for (int i = 0; i < 16; ++i) {
-        const int8_t q = static_cast<int8_t>(std::lround(xb[g * 16 + i] * id));
-        out[b].qs[g * 16 + i] = q;
-        s += q;
-      }
+      for (int i = 0; i < 16; ++i) s += PLANE_SHIFT * out[b].qs[0][g * 16 + i] + out[b].qs[1][g * 16 + i];
       out[b].bsums[g] = s;
     }
   }
 }
+
+// the combined activation value of element i of a block, as an integer
+template <typename A>
+inline int32_t act_q(const A& a, int i) { return PLANE_SHIFT * a.qs[0][i] + a.qs[1][i]; }
 
 // ---- scalar reference dot products ------------------------------------------------------------------
 
@@ -56,10 +59,9 @@ inline float dot_q4_0_ref(const void* row, const ActQ8* a, int64_t nb) {
   const BlockQ4_0* w = static_cast<const BlockQ4_0*>(row);
   float acc = 0.f;
   for (int64_t b = 0; b < nb; ++b) {
-    int s = 0;
-    for (int i = 0; i < 16; ++i) {
-      s += ((w[b].qs[i] & 0xF) - 8) * a[b].qs[i] + ((w[b].qs[i] >> 4) - 8) * a[b].qs[i + 16];
-    }
+    int32_t s = 0;
+    for (int i = 0; i < 16; ++i)
+      s += ((w[b].qs[i] & 0xF) - 8) * act_q(a[b], i) + ((w[b].qs[i] >> 4) - 8) * act_q(a[b], i + 16);
     acc += fp16_to_float(w[b].d) * a[b].d * s;
   }
   return acc;
@@ -70,11 +72,11 @@ inline float dot_q5_0_ref(const void* row, const ActQ8* a, int64_t nb) {
   float acc = 0.f;
   for (int64_t b = 0; b < nb; ++b) {
     uint32_t qh; std::memcpy(&qh, w[b].qh, 4);
-    int s = 0;
+    int32_t s = 0;
     for (int i = 0; i < 16; ++i) {
       const int lo = static_cast<int>((w[b].qs[i] & 0xF) | (((qh >> i) & 1) << 4)) - 16;
       const int hi = static_cast<int>((w[b].qs[i] >> 4) | (((qh >> (i + 16)) & 1) << 4)) - 16;
-      s += lo * a[b].qs[i] + hi * a[b].qs[i + 16];
+      s += lo * act_q(a[b], i) + hi * act_q(a[b], i + 16);
     }
     acc += fp16_to_float(w[b].d) * a[b].d * s;
   }
@@ -85,48 +87,40 @@ inline float dot_q8_0_ref(const void* row, const ActQ8* a, int64_t nb) {
   const BlockQ8_0* w = static_cast<const BlockQ8_0*>(row);
   float acc = 0.f;
   for (int64_t b = 0; b < nb; ++b) {
-    int s = 0;
-    for (int i = 0; i < QK; ++i) s += w[b].qs[i] * a[b].qs[i];
+    int32_t s = 0;
+    for (int i = 0; i < QK; ++i) s += w[b].qs[i] * act_q(a[b], i);
     acc += fp16_to_float(w[b].d) * a[b].d * s;
   }
   return acc;
 }
 
-inline float dot_q4_k_ref(const void* row, const ActQ8K* a, int64_t nb) {
-  const BlockQ4_K* w = static_cast<const BlockQ4_K*>(row);
+template <bool FIVE_BIT>
+inline float dot_q45_k_ref(const void* row, const ActQ8K* a, int64_t nb) {
   float acc = 0.f;
   for (int64_t b = 0; b < nb; ++b) {
-    int32_t sum_q = 0, sum_m = 0;
-    for (int j = 0; j < 8; ++j) {
-      int sc, m; k_scale_min(w[b].scales, j, sc, m);
-      const uint8_t* qs = w[b].qs + (j / 2) * 32;
-      int s = 0;
-      for (int l = 0; l < 32; ++l) s += ((j & 1) ? (qs[l] >> 4) : (qs[l] & 0xF)) * a[b].qs[j * 32 + l];
-      sum_q += sc * s;
-      sum_m += m * (a[b].bsums[2 * j] + a[b].bsums[2 * j + 1]);
+    const uint8_t *scales, *qs, *qh = nullptr;
+    uint16_t d16, dmin16;
+    if constexpr (FIVE_BIT) {
+      const BlockQ5_K* w = static_cast<const BlockQ5_K*>(row) + b;
+      scales = w->scales; qs = w->qs; qh = w->qh; d16 = w->d; dmin16 = w->dmin;
+    } else {
+      const BlockQ4_K* w = static_cast<const BlockQ4_K*>(row) + b;
+      scales = w->scales; qs = w->qs; d16 = w->d; dmin16 = w->dmin;
     }
-    acc += a[b].d * (fp16_to_float(w[b].d) * sum_q - fp16_to_float(w[b].dmin) * sum_m);
-  }
-  return acc;
-}
-
-inline float dot_q5_k_ref(const void* row, const ActQ8K* a, int64_t nb) {
-  const BlockQ5_K* w = static_cast<const BlockQ5_K*>(row);
-  float acc = 0.f;
-  for (int64_t b = 0; b < nb; ++b) {
-    int32_t sum_q = 0, sum_m = 0;
+    int64_t sum_q = 0, sum_m = 0;
     for (int j = 0; j < 8; ++j) {
-      int sc, m; k_scale_min(w[b].scales, j, sc, m);
-      const uint8_t* qs = w[b].qs + (j / 2) * 32;
-      int s = 0;
+      int sc, m; k_scale_min(scales, j, sc, m);
+      const uint8_t* q = qs + (j / 2) * 32;
+      int32_t s = 0;
       for (int l = 0; l < 32; ++l) {
-        const int q = ((j & 1) ? (qs[l] >> 4) : (qs[l] & 0xF)) | (((w[b].qh[l] >> j) & 1) << 4);
-        s += q * a[b].qs[j * 32 + l];
+        int v = (j & 1) ? (q[l] >> 4) : (q[l] & 0xF);
+        if constexpr (FIVE_BIT) v |= ((qh[l] >> j) & 1) << 4;
+        s += v * act_q(a[b], j * 32 + l);
       }
-      sum_q += sc * s;
-      sum_m += m * (a[b].bsums[2 * j] + a[b].bsums[2 * j + 1]);
+      sum_q += static_cast<int64_t>(sc) * s;
+      sum_m += static_cast<int64_t>(m) * (a[b].bsums[2 * j] + a[b].bsums[2 * j + 1]);
     }
-    acc += a[b].d * (fp16_to_float(w[b].d) * sum_q - fp16_to_float(w[b].dmin) * sum_m);
+    acc += a[b].d * (fp16_to_float(d16) * static_cast<float>(sum_q) - fp16_to_float(dmin16) * static_cast<float>(sum_m));
   }
   return acc;
 }
@@ -135,23 +129,23 @@ inline float dot_q6_k_ref(const void* row, const ActQ8K* a, int64_t nb) {
   const BlockQ6_K* w = static_cast<const BlockQ6_K*>(row);
   float acc = 0.f;
   for (int64_t b = 0; b < nb; ++b) {
-    int32_t sum = 0;
+    int64_t sum = 0;
     for (int n = 0; n < 2; ++n) {
       const uint8_t* ql = w[b].ql + 64 * n;
       const uint8_t* qh = w[b].qh + 32 * n;
       for (int k = 0; k < 4; ++k) {
         for (int half = 0; half < 2; ++half) {
-          int s = 0;
+          int32_t s = 0;
           for (int l = half * 16; l < half * 16 + 16; ++l) {
             const int low = (k & 1) ? ql[l + 32] : ql[l];
             const int q = (((k & 2) ? (low >> 4) : (low & 0xF)) | (((qh[l] >> (2 * k)) & 3) << 4)) - 32;
-            s += q * a[b].qs[128 * n + 32 * k + l];
+            s += q * act_q(a[b], 128 * n + 32 * k + l);
           }
-          sum += w[b].scales[8 * n + 2 * k + half] * s;
+          sum += static_cast<int64_t>(w[b].scales[8 * n + 2 * k + half]) * s;
         }
       }
     }
-    acc += a[b].d * fp16_to_float(w[b].d) * sum;
+    acc += a[b].d * fp16_to_float(w[b].d) * static_cast<float>(sum);
   }
   return acc;
 }
@@ -195,14 +189,22 @@ HS_AVX2 static inline __m256i bytes_from_bits_32(const uint8_t* x) {  // bit i s
   return _mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1));
 }
 
+// signed weights of one block against both activation planes, accumulated into acc
+HS_AVX2 static inline __m256 block_dot2(__m256i q, const ActQ8& a, float dw, __m256 acc) {
+  const __m256i ax = _mm256_sign_epi8(q, q);
+  const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.qs[0]));
+  const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.qs[1]));
+  const __m256i i0 = _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(x0, q)), _mm256_set1_epi16(PLANE_SHIFT));
+  const __m256i i1 = _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(x1, q)), _mm256_set1_epi16(1));
+  return _mm256_fmadd_ps(_mm256_set1_ps(dw * a.d), _mm256_cvtepi32_ps(_mm256_add_epi32(i0, i1)), acc);
+}
+
 HS_AVX2 static inline float dot_q4_0_avx2(const void* row, const ActQ8* a, int64_t nb) {
   const BlockQ4_0* w = static_cast<const BlockQ4_0*>(row);
   __m256 acc = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const __m256i q = _mm256_sub_epi8(nibbles_32(w[b].qs), _mm256_set1_epi8(8));
-    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a[b].qs));
-    const __m256 d = _mm256_set1_ps(_cvtsh_ss(w[b].d) * a[b].d);
-    acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(dot_i8(q, x)), acc);
+    acc = block_dot2(q, a[b], _cvtsh_ss(w[b].d), acc);
   }
   return hsum(acc);
 }
@@ -213,10 +215,7 @@ HS_AVX2 static inline float dot_q5_0_avx2(const void* row, const ActQ8* a, int64
   for (int64_t b = 0; b < nb; ++b) {
     // (nibble | bit << 4) - 16 == nibble | (bit ? 0 : 0xF0) in two's complement
     const __m256i hi = _mm256_andnot_si256(bytes_from_bits_32(w[b].qh), _mm256_set1_epi8(static_cast<char>(0xF0)));
-    const __m256i q = _mm256_or_si256(nibbles_32(w[b].qs), hi);
-    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a[b].qs));
-    const __m256 d = _mm256_set1_ps(_cvtsh_ss(w[b].d) * a[b].d);
-    acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(dot_i8(q, x)), acc);
+    acc = block_dot2(_mm256_or_si256(nibbles_32(w[b].qs), hi), a[b], _cvtsh_ss(w[b].d), acc);
   }
   return hsum(acc);
 }
@@ -226,33 +225,24 @@ HS_AVX2 static inline float dot_q8_0_avx2(const void* row, const ActQ8* a, int64
   __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
   int64_t b = 0;
   for (; b + 1 < nb; b += 2) {
-    const __m256i q0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[b].qs));
-    const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a[b].qs));
-    const __m256i q1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[b + 1].qs));
-    const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a[b + 1].qs));
-    acc0 = _mm256_fmadd_ps(_mm256_set1_ps(_cvtsh_ss(w[b].d) * a[b].d), _mm256_cvtepi32_ps(dot_i8(q0, x0)), acc0);
-    acc1 = _mm256_fmadd_ps(_mm256_set1_ps(_cvtsh_ss(w[b + 1].d) * a[b + 1].d), _mm256_cvtepi32_ps(dot_i8(q1, x1)), acc1);
+    acc0 = block_dot2(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[b].qs)), a[b], _cvtsh_ss(w[b].d), acc0);
+    acc1 = block_dot2(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[b + 1].qs)), a[b + 1],
+                      _cvtsh_ss(w[b + 1].d), acc1);
   }
-  for (; b < nb; ++b) {
-    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[b].qs));
-    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a[b].qs));
-    acc0 = _mm256_fmadd_ps(_mm256_set1_ps(_cvtsh_ss(w[b].d) * a[b].d), _mm256_cvtepi32_ps(dot_i8(q, x)), acc0);
-  }
+  for (; b < nb; ++b)
+    acc0 = block_dot2(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[b].qs)), a[b], _cvtsh_ss(w[b].d), acc0);
   return hsum(_mm256_add_ps(acc0, acc1));
 }
 
 // unsigned weights (0..63) x signed activations, 32 lanes, times a per-16 scale pair -> 8 int32
-HS_AVX2 static inline __m256i dot_u8_scaled(__m256i q, const int8_t* x, int16_t s_lo, int16_t s_hi) {
-  const __m256i p = _mm256_maddubs_epi16(q, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
-  const __m256i s = _mm256_set_m128i(_mm_set1_epi16(s_hi), _mm_set1_epi16(s_lo));
-  return _mm256_madd_epi16(p, s);
-}
-
-HS_AVX2 static inline int hsum_i32(__m256i v) {
-  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
-  return _mm_cvtsi128_si32(s);
+// both activation planes at element offset `off`, combined in int32 (plane 0 weighs PLANE_SHIFT)
+template <typename A>
+HS_AVX2 static inline __m256i dot_u8_scaled(__m256i q, const A& a, int off, int16_t s_lo, int16_t s_hi) {
+  const __m256i p0 = _mm256_maddubs_epi16(q, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.qs[0] + off)));
+  const __m256i p1 = _mm256_maddubs_epi16(q, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.qs[1] + off)));
+  const __m256i s1 = _mm256_set_m128i(_mm_set1_epi16(s_hi), _mm_set1_epi16(s_lo));
+  const __m256i s0 = _mm256_slli_epi16(s1, 7);  // * PLANE_SHIFT; |scale| <= 128 fits int16
+  return _mm256_add_epi32(_mm256_madd_epi16(p0, s0), _mm256_madd_epi16(p1, s1));
 }
 
 template <bool FIVE_BIT>
@@ -273,7 +263,7 @@ HS_AVX2 static inline float dot_q45_k_avx2(const void* row, const ActQ8K* a, int
     }
     int sc[8], m[8];
     for (int j = 0; j < 8; ++j) k_scale_min(scales, j, sc[j], m[j]);
-    __m256i sumi = _mm256_setzero_si256();
+    __m256 sumf = _mm256_setzero_ps();  // float: a super-block's int32 sum can overflow
     const __m256i hbits = FIVE_BIT ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh)) : _mm256_setzero_si256();
     for (int j = 0; j < 4; ++j) {
       const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * j));
@@ -283,12 +273,13 @@ HS_AVX2 static inline float dot_q45_k_avx2(const void* row, const ActQ8K* a, int
         lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hbits, 2 * j), one), 4));
         hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hbits, 2 * j + 1), one), 4));
       }
-      sumi = _mm256_add_epi32(sumi, dot_u8_scaled(lo, a[b].qs + 64 * j, sc[2 * j], sc[2 * j]));
-      sumi = _mm256_add_epi32(sumi, dot_u8_scaled(hi, a[b].qs + 64 * j + 32, sc[2 * j + 1], sc[2 * j + 1]));
+      const __m256i both = _mm256_add_epi32(dot_u8_scaled(lo, a[b], 64 * j, sc[2 * j], sc[2 * j]),
+                                            dot_u8_scaled(hi, a[b], 64 * j + 32, sc[2 * j + 1], sc[2 * j + 1]));
+      sumf = _mm256_add_ps(sumf, _mm256_cvtepi32_ps(both));
     }
     int32_t sum_m = 0;
     for (int j = 0; j < 8; ++j) sum_m += m[j] * (a[b].bsums[2 * j] + a[b].bsums[2 * j + 1]);
-    acc += a[b].d * (_cvtsh_ss(d16) * hsum_i32(sumi) - _cvtsh_ss(dmin16) * sum_m);
+    acc += a[b].d * (_cvtsh_ss(d16) * hsum(sumf) - _cvtsh_ss(dmin16) * static_cast<float>(sum_m));
   }
   return acc;
 }
@@ -298,7 +289,7 @@ HS_AVX2 static inline float dot_q6_k_avx2(const void* row, const ActQ8K* a, int6
   float acc = 0.f;
   const __m256i m4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(3);
   for (int64_t b = 0; b < nb; ++b) {
-    __m256i sumi = _mm256_setzero_si256();
+    __m256 sumf = _mm256_setzero_ps();
     int32_t corr = 0;
     for (int n = 0; n < 2; ++n) {
       const __m256i ql0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[b].ql + 64 * n));
@@ -312,11 +303,11 @@ HS_AVX2 static inline float dot_q6_k_avx2(const void* row, const ActQ8K* a, int6
       };
       for (int k = 0; k < 4; ++k) {
         const int8_t s0 = w[b].scales[8 * n + 2 * k], s1 = w[b].scales[8 * n + 2 * k + 1];
-        sumi = _mm256_add_epi32(sumi, dot_u8_scaled(q[k], a[b].qs + 128 * n + 32 * k, s0, s1));
+        sumf = _mm256_add_ps(sumf, _mm256_cvtepi32_ps(dot_u8_scaled(q[k], a[b], 128 * n + 32 * k, s0, s1)));
         corr += s0 * a[b].bsums[8 * n + 2 * k] + s1 * a[b].bsums[8 * n + 2 * k + 1];
       }
     }
-    acc += a[b].d * _cvtsh_ss(w[b].d) * (hsum_i32(sumi) - 32 * corr);
+    acc += a[b].d * _cvtsh_ss(w[b].d) * (hsum(sumf) - 32.f * static_cast<float>(corr));
   }
   return acc;
 }

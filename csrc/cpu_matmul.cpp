@@ -65,8 +65,8 @@ DotQ8K pick_q8k(int64_t qtype) {
   }
 #endif
   switch (qtype) {
-    case Q4_K: return dot_q4_k_ref;
-    case Q5_K: return dot_q5_k_ref;
+    case Q4_K: return dot_q45_k_ref<false>;
+    case Q5_K: return dot_q45_k_ref<true>;
     case Q6_K: return dot_q6_k_ref;
   }
   return nullptr;
@@ -79,13 +79,22 @@ DotF pick_float(int64_t qtype) {
   return qtype == F16 ? dot_float_ref<c10::Half> : dot_float_ref<c10::BFloat16>;
 }
 
-// Runs dot(row n, token t) for all rows (split across threads) and tokens.
+// Rows ahead of the one being computed whose bytes are prefetched: keeps enough loads in flight for
+// the memory system while the cores do the (two-plane) integer arithmetic.
+constexpr int64_t PREFETCH_ROWS = 4;
+
+// Runs dot(row n, token t) for all rows (split across threads, each a contiguous range) and tokens.
 template <typename F>
-void for_rows(int64_t N, int64_t T, float* y, F dot) {
+void for_rows(const uint8_t* w, int64_t row_bytes, int64_t N, int64_t T, float* y, F dot) {
   const int64_t grain = std::max<int64_t>(16, N / (at::get_num_threads() * 4));
   at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n)
+    for (int64_t n = begin; n < end; ++n) {
+      if (n + PREFETCH_ROWS < end) {
+        const char* next = reinterpret_cast<const char*>(w + (n + PREFETCH_ROWS) * row_bytes);
+        for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(next + off, 0, 0);
+      }
       for (int64_t t = 0; t < T; ++t) y[t * N + n] = dot(n, t);
+    }
   });
 }
 
@@ -106,17 +115,17 @@ at::Tensor qmatmul_cpu(const at::Tensor& w, int64_t qtype, const at::Tensor& x) 
   const int64_t nb = K / be;
   if (qtype == F16 || qtype == BF16) {
     DotF dot = pick_float(qtype);
-    for_rows(N, T, yp, [&](int64_t n, int64_t t) { return dot(wp + n * row_bytes, xp + t * K, K); });
+    for_rows(wp, row_bytes, N, T, yp, [&](int64_t n, int64_t t) { return dot(wp + n * row_bytes, xp + t * K, K); });
   } else if (be == QK) {
     std::vector<ActQ8> act(T * nb);
     for (int64_t t = 0; t < T; ++t) quantize_act_q8(xp + t * K, act.data() + t * nb, K);
     DotQ8 dot = pick_q8(qtype);
-    for_rows(N, T, yp, [&](int64_t n, int64_t t) { return dot(wp + n * row_bytes, act.data() + t * nb, nb); });
+    for_rows(wp, row_bytes, N, T, yp, [&](int64_t n, int64_t t) { return dot(wp + n * row_bytes, act.data() + t * nb, nb); });
   } else {
     std::vector<ActQ8K> act(T * nb);
     for (int64_t t = 0; t < T; ++t) quantize_act_q8k(xp + t * K, act.data() + t * nb, K);
     DotQ8K dot = pick_q8k(qtype);
-    for_rows(N, T, yp, [&](int64_t n, int64_t t) { return dot(wp + n * row_bytes, act.data() + t * nb, nb); });
+    for_rows(wp, row_bytes, N, T, yp, [&](int64_t n, int64_t t) { return dot(wp + n * row_bytes, act.data() + t * nb, nb); });
   }
   return y;
 }

@@ -27,10 +27,15 @@ struct BlockQ6_K { uint8_t ql[QK_K / 2]; uint8_t qh[QK_K / 4]; int8_t scales[QK_
 static_assert(sizeof(BlockQ4_0) == 18 && sizeof(BlockQ5_0) == 22 && sizeof(BlockQ8_0) == 34, "block size");
 static_assert(sizeof(BlockQ4_K) == 144 && sizeof(BlockQ5_K) == 176 && sizeof(BlockQ6_K) == 210, "block size");
 
-// Activations quantized per block of 32 (for Q4_0/Q5_0/Q8_0 weights): x ~= d * qs.
-struct ActQ8 { float d; int8_t qs[QK]; };
-// Activations quantized per super-block of 256 (for K-quant weights), with sums per 16.
-struct ActQ8K { float d; int8_t qs[QK_K]; int32_t bsums[QK_K / 16]; };
+// Activations as two 8-bit planes per block with one scale: x ~= d * (128 * qs[0] + qs[1]). The
+// second plane quantizes what the first leaves (|rest| <= 64 steps of d), about 15 bits in all, so
+// the integer dot products match an fp32 reference token for token; a single 8-bit plane (llama.cpp's
+// Q8) flips top-1 tokens of Gemma 3. Combining the planes in int32 keeps one float FMA per block.
+constexpr int PLANES = 2;
+constexpr int PLANE_SHIFT = 128;
+struct ActQ8 { float d; int8_t qs[PLANES][QK]; };
+// Per super-block of 256 (for K-quant weights), with combined sums per 16 for the min/offset terms.
+struct ActQ8K { float d; int8_t qs[PLANES][QK_K]; int32_t bsums[QK_K / 16]; };
 
 inline float fp16_to_float(uint16_t h) {
   c10::Half v; std::memcpy(&v, &h, 2); return static_cast<float>(v);

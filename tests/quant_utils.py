@@ -26,12 +26,16 @@ def random_rows(qtype: Q, rows: int, cols: int, seed: int = 0) -> torch.Tensor:
     return torch.from_numpy(raw.reshape(rows, -1))
 
 
+def _round_away(v: torch.Tensor) -> torch.Tensor:
+    return torch.sign(v) * torch.floor(v.abs() + 0.5)
+
+
 def quantize_activations(x: torch.Tensor, block: int) -> torch.Tensor:
-    """x [T, K] -> its 8-bit-per-block approximation (amax/127, round half away from zero), as the
-    compiled kernels compute it."""
-    xb = x.double().reshape(x.shape[0], -1, block)
-    d = xb.abs().amax(-1, keepdim=True) / 127.0
-    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
-    v = xb * inv
-    q = torch.sign(v) * torch.floor(v.abs() + 0.5)
-    return (q * d).reshape_as(x)
+    """x [T, K] -> the two-plane 8-bit approximation the compiled kernels compute:
+    x ~= d0 * q0 + d0 / 128 * q1 per block, d0 = amax / 127."""
+    xb = x.float().reshape(x.shape[0], -1, block)
+    d0 = xb.abs().amax(-1, keepdim=True) / 127.0
+    inv = torch.where(d0 > 0, 1.0 / d0, torch.zeros_like(d0))
+    q0 = _round_away(xb * inv)
+    q1 = _round_away((xb - d0 * q0) * (inv * 128))
+    return (d0.double() / 128 * (128 * q0.double() + q1.double())).reshape(x.shape)
