@@ -180,7 +180,7 @@ class GGUFFile:
         try:
             qtype = GGMLQuantizationType(type_id)
         except ValueError:
-            raise GGUFError(f"{self.path}: tensor {name}: unknown type id {type_id}") from None
+            raise GGUFError(f"{self.path}: tensor {name}: unsupported tensor type id {type_id}") from None
         if qtype not in GGML_QUANT_SIZES:
             raise GGUFError(f"{self.path}: tensor {name}: type {qtype.name} has no known block size")
         block, block_bytes = GGML_QUANT_SIZES[qtype]

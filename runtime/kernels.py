@@ -143,8 +143,6 @@ def _has_cuda_kernels() -> bool:
 
 def matmul_reference(x: torch.Tensor, data: torch.Tensor, qtype: Q) -> torch.Tensor:
     """Twin of `qmatmul`: y[T, rows] = x[T, in] @ dequantize(data).T in float32."""
-    if qtype in FLOAT_TYPES and data.dtype != torch.uint8:
-        return F.linear(x.to(data.dtype), data).float()
     rows = data.shape[0]
     if rows <= _DEQUANT_CHUNK_ROWS:
         return F.linear(x, dequantize(data, qtype))
@@ -167,13 +165,13 @@ def matmul(x: torch.Tensor, data: torch.Tensor, qtype: Q) -> torch.Tensor:
 
 def matmul_t_reference(h: torch.Tensor, data: torch.Tensor, qtype: Q) -> torch.Tensor:
     """Twin of `qmatmul_t`: y[T, in] = h[T, rows] @ dequantize(data)."""
-    if qtype in FLOAT_TYPES and data.dtype != torch.uint8:
-        return (h.to(data.dtype) @ data).float()
     return h @ dequantize(data, qtype)
 
 
 def matmul_t(h: torch.Tensor, data: torch.Tensor, qtype: Q) -> torch.Tensor:
     """h [T, rows] times the weight [rows, in] (stored format) -> [T, in] float32."""
+    if data.is_cuda and qtype in FLOAT_TYPES:
+        return (h.to(data.dtype) @ data).float()
     if qtype == Q.F32 or data.is_cuda:
         return matmul_t_reference(h, data, qtype)
     if qtype in CPU_QTYPES and ops() is not None:

@@ -1,0 +1,135 @@
+"""Dequantization against gguf's numpy routines, and every compiled CPU op against its pure-torch
+twin: all weight types, odd row lengths, 1..N tokens, 1 and 2 threads, invalid arguments."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
+from gguf import quants as gguf_quants
+
+from hybridsparse.runtime import kernels
+from hybridsparse.runtime.quants import dequantize
+from quant_utils import quantize_activations, random_rows
+
+BLOCK_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+KERNEL_TYPES = [Q.Q4_0, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.F16, Q.BF16]
+
+needs_kernels = pytest.mark.skipif(not kernels.available(), reason="compiled kernels unavailable")
+
+
+@pytest.mark.parametrize("qtype", BLOCK_TYPES)
+def test_dequantize_matches_gguf(qtype):
+    raw = random_rows(qtype, 5, GGML_QUANT_SIZES[qtype][0] * 3, seed=int(qtype))
+    ours = dequantize(raw, qtype).numpy()
+    ref = gguf_quants.dequantize(raw.numpy(), qtype)
+    np.testing.assert_array_equal(ours, ref)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q5_0, Q.Q8_0, Q.Q4_1, Q.Q5_1])
+def test_gguf_quantize_round_trip(qtype):
+    x = np.random.default_rng(0).standard_normal((4, 96)).astype(np.float32)
+    q = gguf_quants.quantize(x, qtype)
+    np.testing.assert_array_equal(dequantize(torch.from_numpy(q), qtype).numpy(), gguf_quants.dequantize(q, qtype))
+
+
+def test_float_types_dequantize():
+    for qtype, dtype in [(Q.F16, torch.float16), (Q.BF16, torch.bfloat16)]:
+        w = torch.randn(3, 7).to(dtype)
+        assert torch.equal(dequantize(w.view(torch.uint8).view(3, 14), qtype), w.float())
+
+
+def test_real_model_tensors_match_gguf(default_model):
+    from hybridsparse.runtime.gguf_file import GGUFFile
+    g = GGUFFile(default_model)
+    seen = set()
+    for name, info in g.tensors.items():
+        if info.qtype in seen or info.qtype == Q.F32:
+            continue
+        seen.add(info.qtype)
+        raw = g.raw(name)[:64]
+        np.testing.assert_array_equal(dequantize(raw, info.qtype).numpy(),
+                                      gguf_quants.dequantize(raw.numpy(), info.qtype), err_msg=name)
+    assert {Q.Q8_0, Q.Q5_0, Q.Q4_K, Q.Q6_K} <= seen
+
+
+def _block(qtype):
+    return 1 if qtype in (Q.F16, Q.BF16) else GGML_QUANT_SIZES[qtype][0]
+
+
+def _reference(w, qtype, x):
+    """float64 product of the dequantized weights with the activations as the kernel sees them."""
+    block = _block(qtype)
+    xq = x.double() if block == 1 else quantize_activations(x, block)
+    return xq @ dequantize(w, qtype).double().T
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", KERNEL_TYPES)
+@pytest.mark.parametrize("tokens", [1, 3])
+@pytest.mark.parametrize("n_threads", [1, 2])
+def test_qmatmul_matches_twin(qtype, tokens, n_threads, threads):
+    torch.set_num_threads(n_threads)
+    block = max(_block(qtype), 32)
+    K = block * 3 if block > 1 else 101  # odd row lengths where the type allows
+    N = 37
+    w = random_rows(qtype, N, K if qtype not in (Q.F16, Q.BF16) else 101, seed=tokens)
+    K = dequantize(w[:1], qtype).shape[1]
+    x = torch.randn(tokens, K)
+    y = kernels.ops().qmatmul(w.contiguous(), int(qtype), x)
+    ref = _reference(w, qtype, x)
+    assert y.shape == (tokens, N)
+    err = ((y.double() - ref).abs().max() / ref.abs().max()).item()
+    assert err < 1e-5, err
+    # the exact twin (no activation quantization) agrees to the activation precision
+    twin = kernels.matmul_reference(x, w, qtype)
+    assert ((y - twin).abs().max() / twin.abs().max()).item() < 1e-3
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q5_0, Q.Q8_0, Q.F16, Q.BF16])
+@pytest.mark.parametrize("n_threads", [1, 2])
+def test_qmatmul_t_matches_twin(qtype, n_threads, threads):
+    torch.set_num_threads(n_threads)
+    K = 96 if qtype not in (Q.F16, Q.BF16) else 101
+    w = random_rows(qtype, 41, K, seed=3)
+    h = torch.randn(2, 41)
+    h[:, ::3] = 0  # inactive neurons are skipped
+    h[1, :] = 0
+    y = kernels.ops().qmatmul_t(w.contiguous(), int(qtype), h)
+    ref = kernels.matmul_t_reference(h, w, qtype)
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernels
+def test_empty_inputs():
+    w = random_rows(Q.Q8_0, 4, 64)
+    assert kernels.ops().qmatmul(w, int(Q.Q8_0), torch.zeros(0, 64)).shape == (0, 4)
+    assert kernels.ops().qmatmul_t(w, int(Q.Q8_0), torch.zeros(0, 4)).shape == (0, 64)
+
+
+@needs_kernels
+def test_rms_norm_matches_twin():
+    x, w = torch.randn(5, 77), torch.randn(77)
+    torch.testing.assert_close(kernels.ops().rms_norm(x, w, 1e-6), kernels.rms_norm_reference(x, w, 1e-6))
+
+
+@needs_kernels
+@pytest.mark.parametrize("bad", ["dtype", "row_bytes", "not_contiguous", "type_id", "x_shape"])
+def test_invalid_arguments_raise(bad):
+    w = random_rows(Q.Q8_0, 8, 64)
+    x = torch.randn(2, 64)
+    qtype = int(Q.Q8_0)
+    if bad == "dtype":
+        w = w.float()
+    elif bad == "row_bytes":
+        w = w[:, :-2].contiguous()
+    elif bad == "not_contiguous":
+        w = random_rows(Q.Q8_0, 8, 128)[:, ::2]
+    elif bad == "type_id":
+        qtype = 99
+    elif bad == "x_shape":
+        x = torch.randn(2, 63)
+    with pytest.raises(RuntimeError, match="qmatmul"):
+        kernels.ops().qmatmul(w, qtype, x)
