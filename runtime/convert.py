@@ -256,6 +256,20 @@ def write_gguf(path: str | os.PathLike, cfg, tensors: Iterable[tuple[str, torch.
     return path
 
 
+def byte_level_vocab(n_vocab: int = 259) -> dict:
+    """Tokenizer metadata for synthetic and test models: a GPT-2 style byte-level BPE with <s>, </s>,
+    the 256 byte symbols, one merge, and filler tokens up to n_vocab."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+    tokens = ["<s>", "</s>"] + list(bytes_to_unicode().values()) + ["Ġt"]
+    if n_vocab < len(tokens):
+        raise ValueError(f"a byte-level vocabulary needs at least {len(tokens)} tokens, asked for {n_vocab}")
+    tokens += [f"<filler_{i}>" for i in range(n_vocab - len(tokens))]
+    return {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "default", "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.token_type": [3, 3] + [1] * (len(tokens) - 2), "tokenizer.ggml.merges": ["Ġ t"],
+            "tokenizer.ggml.bos_token_id": 0, "tokenizer.ggml.eos_token_id": 1,
+            "tokenizer.ggml.add_bos_token": True}
+
+
 def _add(writer: gguf.GGUFWriter, key: str, value) -> None:
     if isinstance(value, bool):
         writer.add_bool(key, value)

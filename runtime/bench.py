@@ -1,0 +1,233 @@
+"""hs-bench: speed measured side by side in one run, JSON out.
+
+  hs-bench run   [-m MODEL] [-t N] [-ngl N] [--reps 3] [--llama-cpp]   decode/prefill tokens/s
+  hs-bench synth --shape llama-7b --dtype f16 -o DIR                    a random model of a real shape
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .cli import add_model_args, default_threads, run_main
+
+SHAPES = {  # name: (d_model, n_ff, n_layers, n_heads, n_kv_heads, n_vocab)
+    "llama-7b": (4096, 11008, 32, 32, 32, 32000),
+    "llama-13b": (5120, 13824, 40, 40, 40, 32000),
+    "llama-70b": (8192, 28672, 80, 64, 8, 32000),
+    "tiny": (256, 704, 4, 8, 4, 512),
+}
+
+
+def machine() -> dict:
+    info = {"cpu": platform.processor() or platform.machine(), "cpu_threads_available": default_threads(),
+            "torch": torch.__version__}
+    try:
+        with open("/proc/cpuinfo") as fh:
+            info["cpu"] = next(l.split(":", 1)[1].strip() for l in fh if l.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        info.update(gpu=p.name, gpu_memory_gib=round(p.total_memory / 2**30, 1))
+    return info
+
+
+def measure_bandwidth_gib_s(device: str) -> float:
+    """Read bandwidth: a sum over a buffer much larger than the caches."""
+    n = (2 << 30) // 4 if device == "cuda" else (256 << 20) // 4
+    x = torch.ones(n, device=device)
+    times = []
+    for _ in range(5):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        x.sum()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    return n * 4 / min(times[1:]) / 2**30
+
+
+def bench_hs(model_path, threads: int, n_gpu_layers: int, prompt_tokens: int, n_gen: int, reps: int,
+             graphs: bool = True) -> dict:
+    from .generate import Generator
+    from .loader import open_model
+    from .sampling import Sampler, SamplingParams
+
+    torch.set_num_threads(threads)
+    lm = open_model(model_path, n_gpu_layers)
+    base = lm.tokenizer.encode("Once upon a time")
+    prompt = (base * (prompt_tokens // len(base) + 1))[:prompt_tokens]
+    gen = Generator(lm.model, lm.tokenizer, prompt_tokens + n_gen + 8, use_graphs=graphs)
+    runs = []
+    for _ in range(reps + 1):  # the first run warms up (kernel build, graph capture, page cache)
+        for _piece in gen.generate(prompt, n_gen, Sampler(SamplingParams(temperature=0))):
+            pass
+        t = gen.timings
+        runs.append({"prefill_tok_s": t.prompt_tokens / t.prompt_s,
+                     "decode_tok_s": max(t.gen_tokens - 1, 1) / t.gen_s, "generated": t.gen_tokens})
+    runs = runs[1:]
+    weights_bytes = sum(i.nbytes for n, i in lm.gguf.tensors.items() if n != "token_embd.weight")
+    return {"engine": "hybridsparse", "threads": threads, "n_gpu_layers": n_gpu_layers, "cuda_graphs": graphs,
+            "prefill_tok_s": statistics.median(r["prefill_tok_s"] for r in runs),
+            "decode_tok_s": statistics.median(r["decode_tok_s"] for r in runs), "runs": runs,
+            "model": str(lm.gguf.path), "weights_bytes_per_token": weights_bytes}
+
+
+def bench_llama_cpp(model_path, threads: int, n_gpu_layers: int, prompt_tokens: int, n_gen: int, reps: int) -> dict | None:
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        return None
+    llm = Llama(model_path=str(model_path), n_threads=threads, n_gpu_layers=n_gpu_layers, n_ctx=prompt_tokens + n_gen + 8,
+                verbose=False, seed=0)
+    base = llm.tokenize(b"Once upon a time", add_bos=True)
+    prompt = (base * (prompt_tokens // len(base) + 1))[:prompt_tokens]
+    runs = []
+    for _ in range(reps + 1):
+        llm.reset()
+        t0 = time.perf_counter()
+        llm.eval(prompt)
+        t1 = time.perf_counter()
+        n = 0
+        for _ in range(n_gen):
+            tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            llm.eval([tok])
+            n += 1
+        t2 = time.perf_counter()
+        runs.append({"prefill_tok_s": len(prompt) / (t1 - t0), "decode_tok_s": n / (t2 - t1)})
+    runs = runs[1:]
+    return {"engine": "llama.cpp (llama-cpp-python)", "threads": threads, "n_gpu_layers": n_gpu_layers,
+            "prefill_tok_s": statistics.median(r["prefill_tok_s"] for r in runs),
+            "decode_tok_s": statistics.median(r["decode_tok_s"] for r in runs), "runs": runs}
+
+
+def _run(args) -> int:
+    from .loader import default_model_path
+    model = Path(args.model) if args.model else default_model_path()
+    device = "cuda" if torch.cuda.is_available() and args.n_gpu_layers != 0 else "cpu"
+    result = {"machine": machine(), "prompt_tokens": args.prompt_tokens, "generated_tokens": args.n_predict,
+              "reps": args.reps, "results": []}
+    result["machine"]["read_bandwidth_gib_s"] = round(measure_bandwidth_gib_s(device), 1)
+    hs = bench_hs(model, args.threads, args.n_gpu_layers, args.prompt_tokens, args.n_predict, args.reps)
+    result["results"].append(hs)
+    if args.compare_graphs and device == "cuda":
+        result["results"].append(bench_hs(model, args.threads, args.n_gpu_layers, args.prompt_tokens,
+                                          args.n_predict, args.reps, graphs=False))
+    bound = hs["weights_bytes_per_token"] / (result["machine"]["read_bandwidth_gib_s"] * 2**30)
+    result["bandwidth_bound_decode_tok_s"] = 1.0 / bound
+    result["fraction_of_bound"] = hs["decode_tok_s"] * bound
+    if args.llama_cpp:
+        ref = bench_llama_cpp(model, args.threads, args.n_gpu_layers if device == "cuda" else 0,
+                              args.prompt_tokens, args.n_predict, args.reps)
+        if ref is None:
+            print("hs-bench: llama-cpp-python is not installed; skipping llama.cpp", file=sys.stderr)
+        else:
+            result["results"].append(ref)
+            result["decode_ratio_vs_llama_cpp"] = hs["decode_tok_s"] / ref["decode_tok_s"]
+            result["prefill_ratio_vs_llama_cpp"] = hs["prefill_tok_s"] / ref["prefill_tok_s"]
+    text = json.dumps(result, indent=2)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(text)
+    print(f"{'engine':32s} {'prefill tok/s':>14s} {'decode tok/s':>13s}")
+    for r in result["results"]:
+        label = r["engine"] + ("" if r.get("cuda_graphs", True) else " (no graphs)")
+        print(f"{label:32s} {r['prefill_tok_s']:14.1f} {r['decode_tok_s']:13.1f}")
+    print(f"bandwidth bound: {result['bandwidth_bound_decode_tok_s']:.1f} tok/s "
+          f"({result['machine']['read_bandwidth_gib_s']} GiB/s); reached {100 * result['fraction_of_bound']:.1f}%")
+    if "decode_ratio_vs_llama_cpp" in result:
+        print(f"decode vs llama.cpp: {result['decode_ratio_vs_llama_cpp']:.2f}x, "
+              f"prefill: {result['prefill_ratio_vs_llama_cpp']:.2f}x")
+    return 0
+
+
+def _synth(args) -> int:
+    """A llama-shaped model with random F16/F32 weights, written fast (one random block tiled)."""
+    import gguf
+    from tqdm import tqdm
+
+    d, ff, layers, heads, kv, vocab = SHAPES[args.shape]
+    out = Path(args.output)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{args.shape}-{args.dtype}.gguf"
+    rng = np.random.default_rng(0)
+    dtype = {"f16": np.float16, "f32": np.float32}[args.dtype]
+    pool = (rng.standard_normal(1 << 22) * 0.02).astype(dtype)
+
+    def rand(rows, cols):
+        n = rows * cols
+        reps = -(-n // pool.size)
+        return np.tile(pool, reps)[:n].reshape(rows, cols)
+
+    w = gguf.GGUFWriter(str(path) + ".part", "llama")
+    hd = d // heads
+    for key, value in {"context_length": 4096, "embedding_length": d, "block_count": layers,
+                       "feed_forward_length": ff, "attention.head_count": heads, "attention.head_count_kv": kv,
+                       "rope.dimension_count": hd}.items():
+        w.add_uint32(f"llama.{key}", value)
+    w.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
+    w.add_string("hybridsparse.ffn_activation", "relu")
+    from .convert import _add, byte_level_vocab
+    for key, value in byte_level_vocab(vocab).items():
+        _add(w, key, value)
+    tensors = [("token_embd.weight", vocab, d), ("output.weight", vocab, d)]
+    for i in range(layers):
+        tensors += [(f"blk.{i}.attn_q.weight", d, d), (f"blk.{i}.attn_k.weight", kv * hd, d),
+                    (f"blk.{i}.attn_v.weight", kv * hd, d), (f"blk.{i}.attn_output.weight", d, d),
+                    (f"blk.{i}.ffn_gate.weight", ff, d), (f"blk.{i}.ffn_up.weight", ff, d),
+                    (f"blk.{i}.ffn_down.weight", d, ff)]
+    norms = ["output_norm.weight"] + [f"blk.{i}.{n}.weight" for i in range(layers) for n in ("attn_norm", "ffn_norm")]
+    for name in norms:
+        w.add_tensor(name, np.ones(d, dtype=np.float32))
+    for name, rows, cols in tensors:
+        w.add_tensor_info(name, (rows, cols), np.dtype(dtype), rows * cols * np.dtype(dtype).itemsize)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    for name in norms:
+        w.write_tensor_data(np.ones(d, dtype=np.float32))
+    for name, rows, cols in tqdm(tensors, desc=f"writing {path.name}", unit="tensor", file=sys.stderr):
+        w.write_tensor_data(rand(rows, cols))
+    w.close()
+    Path(str(path) + ".part").replace(path)
+    print(path)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="hs-bench", description="Benchmarks (JSON out); see README.")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    run = sub.add_parser("run", help="decode and prefill tokens/s of hs-run (and llama.cpp with --llama-cpp)")
+    add_model_args(run)
+    run.add_argument("--prompt-tokens", type=int, default=64)
+    run.add_argument("-n", "--n-predict", type=int, default=128)
+    run.add_argument("--reps", type=int, default=3, help="timed runs (median), after one warm-up")
+    run.add_argument("--llama-cpp", action="store_true", help="also run llama.cpp (llama-cpp-python) on the same file")
+    run.add_argument("--compare-graphs", action="store_true", help="also run without CUDA graphs")
+    run.add_argument("--json", help="write the results here")
+    run.set_defaults(func=_run)
+    synth = sub.add_parser("synth", help="write a random model with a real model's shape")
+    synth.add_argument("--shape", choices=sorted(SHAPES), default="llama-7b")
+    synth.add_argument("--dtype", choices=["f16", "f32"], default="f16")
+    synth.add_argument("-o", "--output", required=True)
+    synth.add_argument("--verbose", action="store_true")
+    synth.set_defaults(func=_synth)
+    return ap
+
+
+def main(argv=None) -> int:
+    return run_main("hs-bench", lambda a: a.func(a), argv, build_parser())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

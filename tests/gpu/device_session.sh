@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# One GPU-machine session: install, build the CUDA kernels, run the GPU and kernel tests, run the
+# benchmarks. Results land in $OUT (or ./gpu-results). Usage: bash tests/gpu/device_session.sh
+set -uo pipefail
+OUT=${OUT:-gpu-results}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site
+fi
+python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+( time python3 -m hybridsparse.runtime.kernels ) 2>&1 | tail -4 | tee "$OUT/build.txt"
+python3 -m pytest -q tests/gpu tests/test_quants.py tests/test_architectures.py 2>&1 | tee "$OUT/pytest.txt" | tail -15
+
+# a Gemma-3-270M-shaped model (random weights, F16: the real file cannot travel here) all on the GPU
+python3 - <<'PY'
+import torch, transformers as tf
+from hybridsparse.runtime.convert import write_gguf, byte_level_vocab
+torch.manual_seed(0)
+cfg = tf.Gemma3TextConfig(vocab_size=262144, hidden_size=640, intermediate_size=2048, num_hidden_layers=18,
+                          num_attention_heads=4, num_key_value_heads=1, head_dim=256, sliding_window=512,
+                          max_position_embeddings=32768, query_pre_attn_scalar=256)
+m = tf.Gemma3ForCausalLM(cfg)
+write_gguf("/dev/shm/gemma3-270m-shape-f16.gguf", cfg, m.state_dict().items(), dtype="f16",
+           extra_metadata=byte_level_vocab(262144))
+PY
+hs-bench run -m /dev/shm/gemma3-270m-shape-f16.gguf --compare-graphs --reps 3 --json "$OUT/bench_gemma_shape_gpu.json" 2>&1 | tail -6
+hs-bench synth --shape llama-7b --dtype f16 -o /dev/shm 2>&1 | tail -1
+hs-bench run -m /dev/shm/llama-7b-f16.gguf --reps 3 --json "$OUT/bench_llama7b_f16_gpu.json" 2>&1 | tail -6
+hs-bench run -m /dev/shm/llama-7b-f16.gguf -ngl 0 -t 16 --reps 1 -n 16 --json "$OUT/bench_llama7b_f16_cpu.json" 2>&1 | tail -4
