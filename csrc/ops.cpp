@@ -5,6 +5,11 @@ namespace hs {
 at::Tensor qmatmul_cpu(const at::Tensor& w, int64_t qtype, const at::Tensor& x);
 at::Tensor qmatmul_t_cpu(const at::Tensor& w, int64_t qtype, const at::Tensor& h);
 bool has_cuda();
+void rope_cpu(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, bool neox);
+at::Tensor attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache,
+                         at::Tensor v_cache, const at::Tensor& positions, int64_t kv_len, int64_t window,
+                         double scale);
+at::Tensor gated_act_cpu(const at::Tensor& gate, const at::Tensor& up, int64_t act, bool act_on_up);
 at::Tensor rms_norm_cpu(const at::Tensor& x, const at::Tensor& w, double eps);
 }  // namespace hs
 
@@ -12,6 +17,10 @@ TORCH_LIBRARY(hybridsparse, m) {
   m.def("qmatmul(Tensor w, int qtype, Tensor x) -> Tensor");
   m.def("qmatmul_t(Tensor w, int qtype, Tensor h) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
+  m.def("rope_(Tensor(a!) x, Tensor cos, Tensor sin, bool neox) -> ()");
+  m.def("attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor positions, "
+        "int kv_len, int window, float scale) -> Tensor");
+  m.def("gated_act(Tensor gate, Tensor up, int act, bool act_on_up) -> Tensor");
   m.def("has_cuda() -> bool", &hs::has_cuda);
 }
 
@@ -19,6 +28,9 @@ TORCH_LIBRARY_IMPL(hybridsparse, CPU, m) {
   m.impl("qmatmul", &hs::qmatmul_cpu);
   m.impl("qmatmul_t", &hs::qmatmul_t_cpu);
   m.impl("rms_norm", &hs::rms_norm_cpu);
+  m.impl("rope_", &hs::rope_cpu);
+  m.impl("attention", &hs::attention_cpu);
+  m.impl("gated_act", &hs::gated_act_cpu);
 }
 
 #ifndef HS_WITH_CUDA

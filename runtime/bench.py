@@ -76,7 +76,10 @@ def bench_hs(model_path, threads: int, n_gpu_layers: int, prompt_tokens: int, n_
         runs.append({"prefill_tok_s": t.prompt_tokens / t.prompt_s,
                      "decode_tok_s": max(t.gen_tokens - 1, 1) / t.gen_s, "generated": t.gen_tokens})
     runs = runs[1:]
-    weights_bytes = sum(i.nbytes for n, i in lm.gguf.tensors.items() if n != "token_embd.weight")
+    # bytes read per decoded token: every weight except the embedding table, of which one row is read
+    # (unless the output head is the embedding, tied)
+    tied = "output.weight" not in lm.gguf.tensors
+    weights_bytes = sum(i.nbytes for n, i in lm.gguf.tensors.items() if tied or n != "token_embd.weight")
     return {"engine": "hybridsparse", "threads": threads, "n_gpu_layers": n_gpu_layers, "cuda_graphs": graphs,
             "prefill_tok_s": statistics.median(r["prefill_tok_s"] for r in runs),
             "decode_tok_s": statistics.median(r["decode_tok_s"] for r in runs), "runs": runs,

@@ -100,6 +100,14 @@ def _register_fakes() -> None:
     def _(x, w, eps):
         return torch.empty_like(x)
 
+    @torch.library.register_fake("hybridsparse::attention")
+    def _(q, k, v, k_cache, v_cache, positions, kv_len, window, scale):
+        return q.new_empty((q.shape[0], q.shape[1] * q.shape[2]))
+
+    @torch.library.register_fake("hybridsparse::gated_act")
+    def _(gate, up, act, act_on_up):
+        return torch.empty_like(gate)
+
     @torch.library.register_fake("hybridsparse::qmatmul_t")
     def _(w, qtype, h):
         block, size = GGML_QUANT_SIZES[Q(qtype)]
@@ -194,6 +202,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if ops() is not None:
         return ops().rms_norm(x, weight, eps)
     return rms_norm_reference(x, weight, eps)
+
+
+ACTIVATION_IDS = {"silu": 0, "relu": 1, "gelu": 2, "gelu_erf": 3}
+
+
+def use_cpu_op(t: torch.Tensor) -> bool:
+    return not t.is_cuda and ops() is not None
 
 
 if __name__ == "__main__":  # `python -m hybridsparse.runtime.kernels`: build now (make install)

@@ -62,13 +62,21 @@ class FFNWeights:
     down_bias: torch.Tensor | None = None
 
 
-def ffn(x: torch.Tensor, w: FFNWeights, spec: FFNSpec) -> torch.Tensor:
+def gated_act_reference(gate: torch.Tensor, up: torch.Tensor, spec: FFNSpec) -> torch.Tensor:
     act = ACTIVATIONS[spec.activation]
+    return act(gate) * (act(up) if spec.act_on_up else up)
+
+
+def ffn(x: torch.Tensor, w: FFNWeights, spec: FFNSpec) -> torch.Tensor:
     up = linear(x, w.up, w.up_bias)
     if spec.gated:
-        h = act(linear(x, w.gate)) * (act(up) if spec.act_on_up else up)
+        gate = linear(x, w.gate)
+        if kernels.use_cpu_op(gate):
+            h = kernels.ops().gated_act(gate, up, kernels.ACTIVATION_IDS[spec.activation], spec.act_on_up)
+        else:
+            h = gated_act_reference(gate, up, spec)
     else:
-        h = act(up)
+        h = ACTIVATIONS[spec.activation](up)
     if w.down_transposed:
         y = linear_t(h, w.down)
         return y + w.down_bias if w.down_bias is not None else y
@@ -102,6 +110,12 @@ class Rotary:
         if key not in step.rope:  # gathered once per step, shared by every layer
             step.rope[key] = (self.cos[step.positions].unsqueeze(1), self.sin[step.positions].unsqueeze(1))
         cos, sin = step.rope[key]
+        if kernels.use_cpu_op(x) and x.is_contiguous():
+            kernels.ops().rope_(x, cos[:, 0], sin[:, 0], self.style == "neox")
+            return x
+        return self.apply_reference(x, cos, sin)
+
+    def apply_reference(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         rot, rest = x[..., :self.dim], x[..., self.dim:]
         if self.style == "neox":
             a, b = rot.chunk(2, dim=-1)
@@ -153,6 +167,12 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, st
            window: int | None, scale: float) -> torch.Tensor:
     """q [T, Hq, D], k/v [T, Hkv, D]: store k/v at their positions, attend over the cache.
     Grouped-query heads share one KV head each without copying the cache."""
+    if kernels.use_cpu_op(q) and cache.k.dtype == torch.float32:
+        return kernels.ops().attention(q, k, v, cache.k, cache.v, step.positions, step.kv_len, window or 0, scale)
+    return attend_reference(q, k, v, cache, step, window, scale)
+
+
+def attend_reference(q, k, v, cache: KVCache, step: Step, window: int | None, scale: float) -> torch.Tensor:
     T, n_q, D = q.shape
     n_kv = k.shape[1]
     cache.k.index_copy_(1, step.positions, k.transpose(0, 1).to(cache.k.dtype))

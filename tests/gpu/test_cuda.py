@@ -24,8 +24,8 @@ def test_cuda_qmatmul_matches_twin_and_cpu(qtype, tokens):
     y = kernels.ops().qmatmul(w.cuda(), int(qtype), x.cuda()).cpu()
     ref = kernels.matmul_reference(x, w, qtype)
     torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4)
-    cpu = kernels.ops().qmatmul(w, int(qtype), x)
-    torch.testing.assert_close(y, cpu, rtol=1e-3, atol=1e-3)
+    cpu = kernels.ops().qmatmul(w, int(qtype), x)  # two-plane 8-bit activations: ~1e-4 of the scale
+    assert (y - cpu).abs().max().item() <= 1e-3 * cpu.abs().max().item()
 
 
 def test_cuda_qmatmul_rejects_bad_input():

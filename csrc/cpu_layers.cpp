@@ -1,0 +1,122 @@
+// Fused CPU versions of the small per-layer steps a decode step is made of. Each replaces 5-20 torch
+// ops, whose dispatch overhead (~5 us each) otherwise costs more than the arithmetic on small models.
+//   rope_           : rotary embedding in place (NEOX halves or NORM adjacent pairs)
+//   attention       : store k/v at their positions in the cache, causal (+ sliding window) softmax
+//                     attention over the first kv_len slots, grouped-query heads
+//   gated_act       : act(gate) * up, or act(gate) * act(up)
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace hs {
+
+void rope_cpu(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, bool neox) {
+  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "rope_: x must be a contiguous float32 [tokens, heads, head_dim] tensor");
+  TORCH_CHECK(cos.dim() == 2 && sin.sizes() == cos.sizes() && cos.size(0) == x.size(0) &&
+              cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
+              "rope_: cos/sin must be float32 [tokens, rot_dim / 2]");
+  const int64_t T = x.size(0), H = x.size(1), D = x.size(2), half = cos.size(1);
+  TORCH_CHECK(2 * half <= D, "rope_: rotary dimension ", 2 * half, " exceeds head_dim ", D);
+  auto cc = cos.contiguous(), ss = sin.contiguous();
+  float* xp = x.data_ptr<float>();
+  const float* cp = cc.data_ptr<float>();
+  const float* sp = ss.data_ptr<float>();
+  at::parallel_for(0, T * H, 16, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      float* v = xp + r * D;
+      const float* c = cp + (r / H) * half;
+      const float* s = sp + (r / H) * half;
+      for (int64_t i = 0; i < half; ++i) {
+        float* a = neox ? v + i : v + 2 * i;
+        float* bb = neox ? v + i + half : v + 2 * i + 1;
+        const float x0 = *a, x1 = *bb;
+        *a = x0 * c[i] - x1 * s[i];
+        *bb = x0 * s[i] + x1 * c[i];
+      }
+    }
+  });
+}
+
+at::Tensor attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache,
+                         at::Tensor v_cache, const at::Tensor& positions, int64_t kv_len, int64_t window,
+                         double scale) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes(), "attention: q [T,Hq,D], k/v [T,Hkv,D]");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat &&
+              k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat,
+              "attention: float32 tensors and cache expected");
+  const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = k.size(1);
+  TORCH_CHECK(k.size(0) == T && k.size(2) == D && Hkv > 0 && Hq % Hkv == 0, "attention: head shapes disagree");
+  TORCH_CHECK(k_cache.dim() == 3 && k_cache.size(0) == Hkv && k_cache.size(2) == D && k_cache.is_contiguous() &&
+              v_cache.sizes() == k_cache.sizes() && v_cache.is_contiguous(), "attention: cache must be [Hkv, n_ctx, D]");
+  const int64_t n_ctx = k_cache.size(1);
+  TORCH_CHECK(positions.dim() == 1 && positions.size(0) == T && positions.scalar_type() == at::kLong,
+              "attention: positions must be int64 [T]");
+  TORCH_CHECK(kv_len >= 0 && kv_len <= n_ctx, "attention: kv_len ", kv_len, " outside the cache of ", n_ctx);
+  auto qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous(), pc = positions.contiguous();
+  const int64_t* pos = pc.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < n_ctx, "attention: position ", pos[t], " outside the cache of ", n_ctx);
+  float* kcp = k_cache.data_ptr<float>();
+  float* vcp = v_cache.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t h = 0; h < Hkv; ++h) {
+      std::copy_n(kc.data_ptr<float>() + (t * Hkv + h) * D, D, kcp + (h * n_ctx + pos[t]) * D);
+      std::copy_n(vc.data_ptr<float>() + (t * Hkv + h) * D, D, vcp + (h * n_ctx + pos[t]) * D);
+    }
+  auto out = at::zeros({T, Hq * D}, q.options());
+  float* op = out.data_ptr<float>();
+  const float* qp = qc.data_ptr<float>();
+  const int64_t group = Hq / Hkv;
+  at::parallel_for(0, T * Hq, 1, [&](int64_t b, int64_t e) {
+    std::vector<float> scores(kv_len);
+    for (int64_t r = b; r < e; ++r) {
+      const int64_t t = r / Hq, h = r % Hq, hk = h / group;
+      const float* qv = qp + (t * Hq + h) * D;
+      const int64_t last = std::min<int64_t>(pos[t], kv_len - 1);
+      const int64_t first = window > 0 ? std::max<int64_t>(0, pos[t] - window + 1) : 0;
+      if (last < first) continue;
+      float mx = -std::numeric_limits<float>::infinity();
+      for (int64_t s = first; s <= last; ++s) {
+        const float* kv = kcp + (hk * n_ctx + s) * D;
+        float dot = 0.f;
+        for (int64_t i = 0; i < D; ++i) dot += qv[i] * kv[i];
+        scores[s] = dot * static_cast<float>(scale);
+        mx = std::max(mx, scores[s]);
+      }
+      float sum = 0.f;
+      for (int64_t s = first; s <= last; ++s) sum += (scores[s] = std::exp(scores[s] - mx));
+      const float inv = 1.f / sum;
+      float* o = op + t * Hq * D + h * D;
+      for (int64_t s = first; s <= last; ++s) {
+        const float p = scores[s] * inv;
+        const float* vv = vcp + (hk * n_ctx + s) * D;
+        for (int64_t i = 0; i < D; ++i) o[i] += p * vv[i];
+      }
+    }
+  });
+  return out;
+}
+
+// act: 0 silu, 1 relu, 2 gelu (tanh approximation), 3 gelu (erf); act_on_up: dReLU-style. ATen's
+// vectorized activations, called from C++: one dispatch from Python instead of two or three.
+at::Tensor gated_act_cpu(const at::Tensor& gate, const at::Tensor& up, int64_t act, bool act_on_up) {
+  TORCH_CHECK(gate.sizes() == up.sizes() && gate.scalar_type() == at::kFloat && up.scalar_type() == at::kFloat,
+              "gated_act: gate and up must be float32 of one shape");
+  TORCH_CHECK(act >= 0 && act <= 3, "gated_act: unknown activation id ", act);
+  auto f = [act](const at::Tensor& x) {
+    switch (act) {
+      case 0: return at::silu(x);
+      case 1: return at::relu(x);
+      case 2: return at::gelu(x, "tanh");
+      default: return at::gelu(x);
+    }
+  };
+  return f(gate).mul_(act_on_up ? f(up) : up);
+}
+
+}  // namespace hs
