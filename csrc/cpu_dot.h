@@ -30,7 +30,12 @@ inline float quantize_two_planes(const float* x, int8_t (*qs)[N]) {
 }
 
 inline void quantize_act_q8(const float* x, ActQ8* out, int64_t n) {
-  for (int64_t b = 0; b < n / QK; ++b) out[b].d = quantize_two_planes<QK>(x + b * QK, out[b].qs);
+  for (int64_t b = 0; b < n / QK; ++b) {
+    out[b].d = quantize_two_planes<QK>(x + b * QK, out[b].qs);
+    int32_t s = 0;
+    for (int i = 0; i < QK; ++i) s += PLANE_SHIFT * out[b].qs[0][i] + out[b].qs[1][i];
+    out[b].sum = s;
+  }
 }
 
 inline void quantize_act_q8k(const float* x, ActQ8K* out, int64_t n) {
@@ -199,25 +204,40 @@ HS_AVX2 static inline __m256 block_dot2(__m256i q, const ActQ8& a, float dw, __m
   return _mm256_fmadd_ps(_mm256_set1_ps(dw * a.d), _mm256_cvtepi32_ps(_mm256_add_epi32(i0, i1)), acc);
 }
 
+// unsigned weights (0..31) of one block against both planes: sum of qu * (128 q0 + q1), as int32
+HS_AVX2 static inline __m256i block_dot2_unsigned(__m256i qu, const ActQ8& a) {
+  const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.qs[0]));
+  const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.qs[1]));
+  return _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(qu, x0), _mm256_set1_epi16(PLANE_SHIFT)),
+                          _mm256_madd_epi16(_mm256_maddubs_epi16(qu, x1), _mm256_set1_epi16(1)));
+}
+
+// Q4_0 / Q5_0 keep their weights unsigned (nibble, or nibble | high bit) and subtract the offset
+// times the activation sum once per block: no sign juggling in the inner loop.
 HS_AVX2 static inline float dot_q4_0_avx2(const void* row, const ActQ8* a, int64_t nb) {
   const BlockQ4_0* w = static_cast<const BlockQ4_0*>(row);
   __m256 acc = _mm256_setzero_ps();
+  float corr = 0.f;
   for (int64_t b = 0; b < nb; ++b) {
-    const __m256i q = _mm256_sub_epi8(nibbles_32(w[b].qs), _mm256_set1_epi8(8));
-    acc = block_dot2(q, a[b], _cvtsh_ss(w[b].d), acc);
+    const float s = _cvtsh_ss(w[b].d) * a[b].d;
+    acc = _mm256_fmadd_ps(_mm256_set1_ps(s), _mm256_cvtepi32_ps(block_dot2_unsigned(nibbles_32(w[b].qs), a[b])), acc);
+    corr += s * 8.f * static_cast<float>(a[b].sum);
   }
-  return hsum(acc);
+  return hsum(acc) - corr;
 }
 
 HS_AVX2 static inline float dot_q5_0_avx2(const void* row, const ActQ8* a, int64_t nb) {
   const BlockQ5_0* w = static_cast<const BlockQ5_0*>(row);
   __m256 acc = _mm256_setzero_ps();
+  float corr = 0.f;
+  const __m256i bit4 = _mm256_set1_epi8(0x10);
   for (int64_t b = 0; b < nb; ++b) {
-    // (nibble | bit << 4) - 16 == nibble | (bit ? 0 : 0xF0) in two's complement
-    const __m256i hi = _mm256_andnot_si256(bytes_from_bits_32(w[b].qh), _mm256_set1_epi8(static_cast<char>(0xF0)));
-    acc = block_dot2(_mm256_or_si256(nibbles_32(w[b].qs), hi), a[b], _cvtsh_ss(w[b].d), acc);
+    const __m256i qu = _mm256_or_si256(nibbles_32(w[b].qs), _mm256_and_si256(bytes_from_bits_32(w[b].qh), bit4));
+    const float s = _cvtsh_ss(w[b].d) * a[b].d;
+    acc = _mm256_fmadd_ps(_mm256_set1_ps(s), _mm256_cvtepi32_ps(block_dot2_unsigned(qu, a[b])), acc);
+    corr += s * 16.f * static_cast<float>(a[b].sum);
   }
-  return hsum(acc);
+  return hsum(acc) - corr;
 }
 
 HS_AVX2 static inline float dot_q8_0_avx2(const void* row, const ActQ8* a, int64_t nb) {

@@ -2,6 +2,7 @@
 
   hs-bench run   [-m MODEL] [-t N] [-ngl N] [--reps 3] [--llama-cpp]   decode/prefill tokens/s
   hs-bench synth --shape llama-7b --dtype f16 -o DIR                    a random model of a real shape
+  hs-bench table FILE.json ...                                          the README's markdown table
 """
 
 from __future__ import annotations
@@ -207,6 +208,26 @@ def _synth(args) -> int:
     return 0
 
 
+def _table(args) -> int:
+    """A markdown table of `hs-bench run` JSON files (the README's benchmark section)."""
+    print("| model | machine | engine | threads | -ngl | prefill tok/s | decode tok/s | decode vs llama.cpp | "
+          "of bandwidth bound |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for path in args.files:
+        d = json.loads(Path(path).read_text())
+        m = d["machine"]
+        where = m.get("gpu", m["cpu"]) if any(r.get("n_gpu_layers", 0) != 0 for r in d["results"]) else m["cpu"]
+        for r in d["results"]:
+            ours = r["engine"] == "hybridsparse"
+            label = r["engine"] + ("" if r.get("cuda_graphs", True) else " (no CUDA graphs)")
+            ratio = f"{d['decode_ratio_vs_llama_cpp']:.2f}x" if ours and "decode_ratio_vs_llama_cpp" in d else ""
+            frac = f"{100 * d['fraction_of_bound']:.0f}%" if ours and r.get("cuda_graphs", True) else ""
+            print(f"| {Path(r.get('model', d['results'][0].get('model', '?'))).name} | {where} | {label} | "
+                  f"{r['threads']} | {r['n_gpu_layers']} | {r['prefill_tok_s']:.1f} | {r['decode_tok_s']:.1f} | "
+                  f"{ratio} | {frac} |")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="hs-bench", description="Benchmarks (JSON out); see README.")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -219,6 +240,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--compare-graphs", action="store_true", help="also run without CUDA graphs")
     run.add_argument("--json", help="write the results here")
     run.set_defaults(func=_run)
+    table = sub.add_parser("table", help="print a markdown table of `run` JSON files")
+    table.add_argument("files", nargs="+")
+    table.add_argument("--verbose", action="store_true")
+    table.set_defaults(func=_table)
     synth = sub.add_parser("synth", help="write a random model with a real model's shape")
     synth.add_argument("--shape", choices=sorted(SHAPES), default="llama-7b")
     synth.add_argument("--dtype", choices=["f16", "f32"], default="f16")
