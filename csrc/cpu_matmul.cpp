@@ -83,51 +83,96 @@ DotF pick_float(int64_t qtype) {
 // the memory system while the cores do the (two-plane) integer arithmetic.
 constexpr int64_t PREFETCH_ROWS = 4;
 
-// Runs dot(row n, token t) for all rows (split across threads, each a contiguous range) and tokens.
-template <typename F>
-void for_rows(const uint8_t* w, int64_t row_bytes, int64_t N, int64_t T, float* y, F dot) {
-  const int64_t grain = std::max<int64_t>(16, N / (at::get_num_threads() * 4));
-  at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) {
-      if (n + PREFETCH_ROWS < end) {
-        const char* next = reinterpret_cast<const char*>(w + (n + PREFETCH_ROWS) * row_bytes);
-        for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(next + off, 0, 0);
-      }
-      for (int64_t t = 0; t < T; ++t) y[t * N + n] = dot(n, t);
-    }
-  });
-}
-
 }  // namespace
 
-at::Tensor qmatmul_cpu(const at::Tensor& w, int64_t qtype, const at::Tensor& x) {
+// Several weights against one x in one parallel region (q/k/v; gate/up): one fork/join instead of
+// several, and the activations quantized once per block format.
+std::vector<at::Tensor> qmatmul_multi_cpu(const std::vector<at::Tensor>& ws, const std::vector<int64_t>& qtypes,
+                                          const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "qmatmul: x must be a contiguous float32 [tokens, features] tensor");
-  const int64_t T = x.size(0), K = x.size(1), N = w.size(0);
-  check_weight(w, qtype, K, "qmatmul");
-  auto y = at::empty({T, N}, x.options());
-  if (T == 0 || N == 0) return y;
-  const uint8_t* wp = static_cast<const uint8_t*>(w.data_ptr());
-  const int64_t row_bytes = w.size(1) * w.element_size();
+  TORCH_CHECK(ws.size() == qtypes.size() && !ws.empty(), "qmatmul_multi: one type id per weight");
+  const int64_t T = x.size(0), K = x.size(1);
   const float* xp = x.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  const int be = block_elems(qtype);
-  const int64_t nb = K / be;
-  if (qtype == F16 || qtype == BF16) {
-    DotF dot = pick_float(qtype);
-    for_rows(wp, row_bytes, N, T, yp, [&](int64_t n, int64_t t) { return dot(wp + n * row_bytes, xp + t * K, K); });
-  } else if (be == QK) {
-    std::vector<ActQ8> act(T * nb);
-    for (int64_t t = 0; t < T; ++t) quantize_act_q8(xp + t * K, act.data() + t * nb, K);
-    DotQ8 dot = pick_q8(qtype);
-    for_rows(wp, row_bytes, N, T, yp, [&](int64_t n, int64_t t) { return dot(wp + n * row_bytes, act.data() + t * nb, nb); });
-  } else {
-    std::vector<ActQ8K> act(T * nb);
-    for (int64_t t = 0; t < T; ++t) quantize_act_q8k(xp + t * K, act.data() + t * nb, K);
-    DotQ8K dot = pick_q8k(qtype);
-    for_rows(wp, row_bytes, N, T, yp, [&](int64_t n, int64_t t) { return dot(wp + n * row_bytes, act.data() + t * nb, nb); });
+  std::vector<ActQ8> act32;
+  std::vector<ActQ8K> act256;
+  std::vector<at::Tensor> ys;
+  std::vector<int64_t> first_row{0};
+  for (size_t i = 0; i < ws.size(); ++i) {
+    check_weight(ws[i], qtypes[i], K, "qmatmul");
+    ys.push_back(at::empty({T, ws[i].size(0)}, x.options()));
+    first_row.push_back(first_row.back() + ws[i].size(0));
+    const int be = block_elems(qtypes[i]);
+    if (be == QK && act32.empty()) {
+      act32.resize(T * (K / QK));
+      for (int64_t t = 0; t < T; ++t) quantize_act_q8(xp + t * K, act32.data() + t * (K / QK), K);
+    } else if (be == QK_K && act256.empty()) {
+      act256.resize(T * (K / QK_K));
+      for (int64_t t = 0; t < T; ++t) quantize_act_q8k(xp + t * K, act256.data() + t * (K / QK_K), K);
+    }
   }
-  return y;
+  const int64_t total = first_row.back();
+  if (T == 0 || total == 0) return ys;
+  const int64_t grain = std::max<int64_t>(16, total / (at::get_num_threads() * 4));
+  at::parallel_for(0, total, grain, [&](int64_t begin, int64_t end) {
+    size_t i = 0;
+    while (first_row[i + 1] <= begin) ++i;
+    for (int64_t g = begin; g < end;) {
+      const int64_t stop = std::min(end, first_row[i + 1]);
+      const at::Tensor& w = ws[i];
+      const int64_t qtype = qtypes[i], N = w.size(0), row_bytes = w.size(1) * w.element_size();
+      const uint8_t* wp = static_cast<const uint8_t*>(w.data_ptr());
+      float* yp = ys[i].data_ptr<float>();
+      const int be = block_elems(qtype);
+      const int64_t nb = K / be;
+      const bool is_float = qtype == F16 || qtype == BF16;
+      const DotF dot_f = is_float ? pick_float(qtype) : nullptr;
+      const DotQ8 dot_32 = be == QK ? pick_q8(qtype) : nullptr;
+      const DotQ8K dot_256 = be == QK_K ? pick_q8k(qtype) : nullptr;
+      for (int64_t n = g - first_row[i]; n < stop - first_row[i]; ++n) {
+        if (n + PREFETCH_ROWS < N) {
+          const char* next = reinterpret_cast<const char*>(wp + (n + PREFETCH_ROWS) * row_bytes);
+          for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(next + off, 0, 0);
+        }
+        for (int64_t t = 0; t < T; ++t) {
+          const uint8_t* row = wp + n * row_bytes;
+          float v;
+          if (is_float) v = dot_f(row, xp + t * K, K);
+          else if (dot_32) v = dot_32(row, act32.data() + t * nb, nb);
+          else v = dot_256(row, act256.data() + t * nb, nb);
+          yp[t * N + n] = v;
+        }
+      }
+      g = stop;
+      ++i;
+    }
+  });
+  return ys;
+}
+
+at::Tensor qmatmul_cpu(const at::Tensor& w, int64_t qtype, const at::Tensor& x) {
+  return qmatmul_multi_cpu({w}, {qtype}, x)[0];
+}
+
+// Index of the largest value of a float32 vector (greedy sampling), ties to the lowest index.
+int64_t argmax_cpu(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 1 && x.numel() > 0 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "argmax: x must be a non-empty contiguous float32 vector");
+  const float* p = x.data_ptr<float>();
+  const int64_t n = x.numel();
+  const int nt = at::get_num_threads();
+  std::vector<int64_t> best(nt, 0);
+  at::parallel_for(0, nt, 1, [&](int64_t tb, int64_t te) {
+    for (int64_t tid = tb; tid < te; ++tid) {
+      const int64_t lo = n * tid / nt, hi = n * (tid + 1) / nt;
+      int64_t bi = lo;
+      for (int64_t i = lo + 1; i < hi; ++i) if (p[i] > p[bi]) bi = i;
+      best[tid] = bi;
+    }
+  });
+  int64_t bi = best[0];
+  for (int tid = 1; tid < nt; ++tid) if (n * tid / nt < n * (tid + 1) / nt && p[best[tid]] > p[bi]) bi = best[tid];
+  return bi;
 }
 
 // ---- the transposed product (rows are neurons) ------------------------------------------------------

@@ -34,6 +34,7 @@ _DEQUANT_CHUNK_ROWS = 8192
 
 _ops = None
 _load_error: str | None = None
+cpu = None  # the CPU functions as a plain extension module (no dispatcher), once built
 
 
 def _sources() -> tuple[list[str], bool]:
@@ -76,11 +77,12 @@ def build(verbose: bool = False):
     if not (build_dir / "hybridsparse_C.so").exists():
         print(f"hybridsparse: building compiled kernels ({'CPU+CUDA' if with_cuda else 'CPU'}) "
               f"into {build_dir} (once)", file=sys.stderr)
-    cpp_extension.load(
+    global cpu
+    cpu = cpp_extension.load(
         name="hybridsparse_C", sources=sources, build_directory=str(build_dir),
         extra_cflags=cflags, extra_cuda_cflags=cuda_flags,
         extra_ldflags=["-fopenmp"] + (["-fsanitize=address"] if os.environ.get("HS_SANITIZE") else []),
-        is_python_module=False, verbose=verbose, with_cuda=with_cuda,
+        is_python_module=True, verbose=verbose, with_cuda=with_cuda,
     )
     _register_fakes()
     return torch.ops.hybridsparse
@@ -172,7 +174,7 @@ def matmul(x: torch.Tensor, data: torch.Tensor, qtype: Q) -> torch.Tensor:
     if qtype == Q.F32:
         return F.linear(x, data)
     if qtype in CPU_QTYPES and ops() is not None:
-        return ops().qmatmul(data, int(qtype), x.contiguous())
+        return cpu.qmatmul(data, int(qtype), x.contiguous())
     return matmul_reference(x, data, qtype)
 
 
@@ -200,7 +202,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x.is_cuda:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     if ops() is not None:
-        return ops().rms_norm(x, weight, eps)
+        return cpu.rms_norm(x, weight, eps)
     return rms_norm_reference(x, weight, eps)
 
 

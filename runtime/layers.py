@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from . import kernels
-from .weights import QWeight, linear, linear_t
+from .weights import QWeight, linear, linear_many, linear_t
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -68,15 +68,16 @@ def gated_act_reference(gate: torch.Tensor, up: torch.Tensor, spec: FFNSpec) -> 
 
 
 def ffn(x: torch.Tensor, w: FFNWeights, spec: FFNSpec) -> torch.Tensor:
-    up = linear(x, w.up, w.up_bias)
     if spec.gated:
-        gate = linear(x, w.gate)
+        gate, up = linear_many(x, [w.gate, w.up])
+        if w.up_bias is not None:
+            up = up + w.up_bias
         if kernels.use_cpu_op(gate):
-            h = kernels.ops().gated_act(gate, up, kernels.ACTIVATION_IDS[spec.activation], spec.act_on_up)
+            h = kernels.cpu.gated_act(gate, up, kernels.ACTIVATION_IDS[spec.activation], spec.act_on_up)
         else:
             h = gated_act_reference(gate, up, spec)
     else:
-        h = ACTIVATIONS[spec.activation](up)
+        h = ACTIVATIONS[spec.activation](linear(x, w.up, w.up_bias))
     if w.down_transposed:
         y = linear_t(h, w.down)
         return y + w.down_bias if w.down_bias is not None else y
@@ -111,7 +112,7 @@ class Rotary:
             step.rope[key] = (self.cos[step.positions].unsqueeze(1), self.sin[step.positions].unsqueeze(1))
         cos, sin = step.rope[key]
         if kernels.use_cpu_op(x) and x.is_contiguous():
-            kernels.ops().rope_(x, cos[:, 0], sin[:, 0], self.style == "neox")
+            kernels.cpu.rope_(x, cos[:, 0], sin[:, 0], self.style == "neox")
             return x
         return self.apply_reference(x, cos, sin)
 
@@ -168,7 +169,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, st
     """q [T, Hq, D], k/v [T, Hkv, D]: store k/v at their positions, attend over the cache.
     Grouped-query heads share one KV head each without copying the cache."""
     if kernels.use_cpu_op(q) and cache.k.dtype == torch.float32:
-        return kernels.ops().attention(q, k, v, cache.k, cache.v, step.positions, step.kv_len, window or 0, scale)
+        return kernels.cpu.attention(q, k, v, cache.k, cache.v, step.positions, step.kv_len, window or 0, scale)
     return attend_reference(q, k, v, cache, step, window, scale)
 
 

@@ -49,6 +49,9 @@ class Sampler:
             logits = logits.clone()
             logits[ids] = torch.where(picked > 0, picked / p.repeat_penalty, picked * p.repeat_penalty)
         if p.greedy:
+            from . import kernels
+            if kernels.use_cpu_op(logits) and logits.dim() == 1 and logits.is_contiguous():
+                return kernels.cpu.argmax(logits)
             return int(torch.argmax(logits))
         logits = logits.float().cpu()
         if 0 < p.top_k < logits.numel():

@@ -73,3 +73,10 @@ def linear_t(h: torch.Tensor, w_t: QWeight) -> torch.Tensor:
     """h [T, rows] @ w_t [rows, in_features] -> [T, in_features]: the down projection over rows that
     are neurons (`ffn_down_t`)."""
     return kernels.matmul_t(h, w_t.data, w_t.qtype)
+
+
+def linear_many(x: torch.Tensor, ws: list[QWeight]) -> list[torch.Tensor]:
+    """Several projections of one input (q/k/v, gate/up); on the CPU one compiled call for all."""
+    if kernels.use_cpu_op(x) and all(w.qtype in kernels.CPU_QTYPES for w in ws):
+        return kernels.cpu.qmatmul_multi([w.data for w in ws], [int(w.qtype) for w in ws], x.contiguous())
+    return [linear(x, w) for w in ws]

@@ -14,7 +14,7 @@ import torch
 
 from ..gguf_file import GGUFFile
 from ..layers import FFN_VARIANTS, FFNWeights, KVCache, Rotary, Step, attend, default_scale, ffn, rms_norm
-from ..weights import QWeight, linear
+from ..weights import QWeight, linear, linear_many
 from . import register
 from .base import CausalLM, LMConfig, NormWeights, load_ffn
 
@@ -82,9 +82,12 @@ class Llama(CausalLM):
         c, L = self.config, self.layers[i]
         rope = self.rotary(x.device)
         h = rms_norm(x, L.attn_norm, c.norm_eps)
-        q = linear(h, L.q, L.q_bias).view(-1, c.n_heads, c.head_dim)
-        k = linear(h, L.k, L.k_bias).view(-1, c.n_kv_heads, c.head_dim)
-        v = linear(h, L.v, L.v_bias).view(-1, c.n_kv_heads, c.head_dim)
+        q, k, v = linear_many(h, [L.q, L.k, L.v])
+        if L.q_bias is not None:
+            q, k, v = q + L.q_bias, k + L.k_bias, v + L.v_bias
+        q = q.view(-1, c.n_heads, c.head_dim)
+        k = k.view(-1, c.n_kv_heads, c.head_dim)
+        v = v.view(-1, c.n_kv_heads, c.head_dim)
         q, k = rope.apply(q, step), rope.apply(k, step)
         x = x + linear(attend(q, k, v, cache, step, None, default_scale(c.head_dim)), L.o)
         return x + ffn(rms_norm(x, L.ffn_norm, c.norm_eps), L.ffn, FFN_VARIANTS[c.ffn_variant])
