@@ -76,7 +76,27 @@ def linear_t(h: torch.Tensor, w_t: QWeight) -> torch.Tensor:
 
 
 def linear_many(x: torch.Tensor, ws: list[QWeight]) -> list[torch.Tensor]:
-    """Several projections of one input (q/k/v, gate/up); on the CPU one compiled call for all."""
+    """Several projections of one input (q/k/v, gate/up): on the CPU one compiled call for all; on
+    the GPU one matmul when the weights are consecutive rows of one buffer (see `fuse_rows`)."""
     if kernels.use_cpu_op(x) and all(w.qtype in kernels.CPU_QTYPES for w in ws):
         return kernels.cpu.qmatmul_multi([w.data for w in ws], [int(w.qtype) for w in ws], x.contiguous())
+    span = _spanning(ws)
+    if span is not None:
+        return list(linear(x, span).split([w.out_features for w in ws], dim=-1))
     return [linear(x, w) for w in ws]
+
+
+def _spanning(ws: list[QWeight]) -> QWeight | None:
+    """One QWeight over all of ws when they are consecutive rows of one buffer, else None."""
+    first = ws[0].data
+    if len(ws) < 2 or not first.is_contiguous():
+        return None
+    row_bytes = first.shape[1] * first.element_size()
+    expected, rows = first.data_ptr(), 0
+    for w in ws:
+        if (w.qtype != ws[0].qtype or w.data.dtype != first.dtype or w.data.shape[1] != first.shape[1]
+                or w.data.data_ptr() != expected or not w.data.is_contiguous()):
+            return None
+        expected += w.out_features * row_bytes
+        rows += w.out_features
+    return QWeight(torch.as_strided(first, (rows, first.shape[1]), first.stride()), ws[0].qtype, ws[0].in_features)

@@ -154,7 +154,12 @@ class CausalLM:
         self.rotary_by_device = {d: self.make_rotary(d) for d in p.devices}
 
     def move_layer(self, layer, device):
-        return _move(layer, device)
+        layer = _move(layer, device)
+        if device.type == "cuda":  # one GEMV (one launch) for q/k/v and for gate/up
+            fuse_rows(layer, ("q", "k", "v"))
+            if hasattr(layer, "ffn"):
+                fuse_rows(layer.ffn, ("gate", "up"))
+        return layer
 
     def rotary(self, device: torch.device):
         if device not in self.rotary_by_device:
@@ -184,6 +189,19 @@ class CausalLM:
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.output)
+
+
+def fuse_rows(obj, names) -> None:
+    """Put the weights `names` of obj into one buffer, each becoming a row slice of it, so
+    `linear_many` can run them as one matmul. Skipped unless all exist with one type and width."""
+    ws = [getattr(obj, n, None) for n in names]
+    if any(w is None for w in ws) or len({(w.qtype, w.in_features, w.data.dtype) for w in ws}) != 1:
+        return
+    fused = torch.cat([w.data for w in ws])
+    start = 0
+    for name, w in zip(names, ws):
+        setattr(obj, name, QWeight(fused[start:start + w.out_features], w.qtype, w.in_features))
+        start += w.out_features
 
 
 def _move(obj, device):

@@ -104,9 +104,9 @@ class Gemma3(CausalLM):
         rope = self.rotary(x.device)[1 if sliding else 0]
         h = rms_norm(x, L.attn_norm, c.norm_eps)
         q, k, v = linear_many(h, [L.q, L.k, L.v])
-        q = rms_norm(q.view(-1, c.n_heads, c.head_dim), L.q_norm, c.norm_eps)
-        k = rms_norm(k.view(-1, c.n_kv_heads, c.head_dim), L.k_norm, c.norm_eps)
-        v = v.view(-1, c.n_kv_heads, c.head_dim)
+        q = rms_norm(q.reshape(-1, c.n_heads, c.head_dim), L.q_norm, c.norm_eps)
+        k = rms_norm(k.reshape(-1, c.n_kv_heads, c.head_dim), L.k_norm, c.norm_eps)
+        v = v.reshape(-1, c.n_kv_heads, c.head_dim)
         q, k = rope.apply(q, step), rope.apply(k, step)
         a = attend(q, k, v, cache, step, c.sliding_window if sliding else None, c.attn_scale)
         x = x + rms_norm(linear(a, L.o), L.post_attn_norm, c.norm_eps)

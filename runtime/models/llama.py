@@ -85,9 +85,9 @@ class Llama(CausalLM):
         q, k, v = linear_many(h, [L.q, L.k, L.v])
         if L.q_bias is not None:
             q, k, v = q + L.q_bias, k + L.k_bias, v + L.v_bias
-        q = q.view(-1, c.n_heads, c.head_dim)
-        k = k.view(-1, c.n_kv_heads, c.head_dim)
-        v = v.view(-1, c.n_kv_heads, c.head_dim)
+        q = q.reshape(-1, c.n_heads, c.head_dim)
+        k = k.reshape(-1, c.n_kv_heads, c.head_dim)
+        v = v.reshape(-1, c.n_kv_heads, c.head_dim)
         q, k = rope.apply(q, step), rope.apply(k, step)
         x = x + linear(attend(q, k, v, cache, step, None, default_scale(c.head_dim)), L.o)
         return x + ffn(rms_norm(x, L.ffn_norm, c.norm_eps), L.ffn, FFN_VARIANTS[c.ffn_variant])

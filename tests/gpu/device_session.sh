@@ -28,5 +28,9 @@ write_gguf("/dev/shm/gemma3-270m-shape-f16.gguf", cfg, m.state_dict().items(), d
 PY
 hs-bench run -m /dev/shm/gemma3-270m-shape-f16.gguf --compare-graphs --reps 3 --json "$OUT/bench_gemma_shape_gpu.json" 2>&1 | tail -6
 hs-bench synth --shape llama-7b --dtype f16 -o /dev/shm 2>&1 | tail -1
-hs-bench run -m /dev/shm/llama-7b-f16.gguf --reps 3 --json "$OUT/bench_llama7b_f16_gpu.json" 2>&1 | tail -6
-hs-bench run -m /dev/shm/llama-7b-f16.gguf -ngl 0 -t 16 --reps 1 -n 16 --json "$OUT/bench_llama7b_f16_cpu.json" 2>&1 | tail -4
+hs-bench run -m /dev/shm/llama-7b-f16.gguf --reps 3 --compare-graphs --json "$OUT/bench_llama7b_f16_gpu.json" 2>&1 | tail -6
+rm -f /dev/shm/llama-7b-f16.gguf
+# the dense layer split at ~8 GiB of VRAM (HARDWARE.md's llama.cpp setting for this shape: -ngl 11)
+hs-bench synth --shape llama-13b --dtype f16 -o /dev/shm 2>&1 | tail -1
+hs-bench run -m /dev/shm/llama-13b-f16.gguf -ngl 11 -t 16 --reps 1 -n 32 --json "$OUT/bench_llama13b_f16_ngl11.json" 2>&1 | tail -4
+hs-bench run -m /dev/shm/llama-13b-f16.gguf -ngl 0 -t 16 --reps 1 -n 32 --json "$OUT/bench_llama13b_f16_cpu.json" 2>&1 | tail -4
