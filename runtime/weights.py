@@ -92,10 +92,12 @@ def _spanning(ws: list[QWeight]) -> QWeight | None:
     if len(ws) < 2 or not first.is_contiguous():
         return None
     row_bytes = first.shape[1] * first.element_size()
+    storage = first.untyped_storage().data_ptr()
     expected, rows = first.data_ptr(), 0
     for w in ws:
         if (w.qtype != ws[0].qtype or w.data.dtype != first.dtype or w.data.shape[1] != first.shape[1]
-                or w.data.data_ptr() != expected or not w.data.is_contiguous()):
+                or w.data.data_ptr() != expected or not w.data.is_contiguous()
+                or w.data.untyped_storage().data_ptr() != storage):
             return None
         expected += w.out_features * row_bytes
         rows += w.out_features
