@@ -79,9 +79,11 @@ DotF pick_float(int64_t qtype) {
   return qtype == F16 ? dot_float_ref<c10::Half> : dot_float_ref<c10::BFloat16>;
 }
 
-// Rows ahead of the one being computed whose bytes are prefetched: keeps enough loads in flight for
-// the memory system while the cores do the (two-plane) integer arithmetic.
+// How far ahead of the row being computed its thread prefetches (4 rows of a small model, at most
+// 4 KiB): keeps loads in flight while the core does the (two-plane) integer arithmetic, without
+// pulling in so much that large rows (10-16 KiB) evict themselves from L1 before use.
 constexpr int64_t PREFETCH_ROWS = 4;
+constexpr int64_t PREFETCH_MAX_BYTES = 4096;
 
 }  // namespace
 
@@ -130,8 +132,9 @@ std::vector<at::Tensor> qmatmul_multi_cpu(const std::vector<at::Tensor>& ws, con
       const DotQ8 dot_32 = be == QK ? pick_q8(qtype) : nullptr;
       const DotQ8K dot_256 = be == QK_K ? pick_q8k(qtype) : nullptr;
       for (int64_t n = g - first_row[i]; n < stop - first_row[i]; ++n) {
-        if (n + PREFETCH_ROWS < N) {
-          const char* next = reinterpret_cast<const char*>(wp + (n + PREFETCH_ROWS) * row_bytes);
+        const int64_t ahead = std::min(PREFETCH_ROWS * row_bytes, PREFETCH_MAX_BYTES);
+        if ((n + 1) * row_bytes + ahead <= N * row_bytes) {
+          const char* next = reinterpret_cast<const char*>(wp + n * row_bytes + ahead);
           for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(next + off, 0, 0);
         }
         for (int64_t t = 0; t < T; ++t) {

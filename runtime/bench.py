@@ -58,61 +58,85 @@ def measure_bandwidth_gib_s(device: str) -> float:
     return n * 4 / min(times[1:]) / 2**30
 
 
-def bench_hs(model_path, threads: int, n_gpu_layers: int, prompt_tokens: int, n_gen: int, reps: int,
-             graphs: bool = True) -> dict:
-    from .generate import Generator
-    from .loader import open_model
-    from .sampling import Sampler, SamplingParams
+class HSRunner:
+    """hybridsparse on one model: `once()` is one prefill + greedy decode, timed."""
 
-    torch.set_num_threads(threads)
-    lm = open_model(model_path, n_gpu_layers)
-    base = lm.tokenizer.encode("Once upon a time")
-    prompt = (base * (prompt_tokens // len(base) + 1))[:prompt_tokens]
-    gen = Generator(lm.model, lm.tokenizer, prompt_tokens + n_gen + 8, use_graphs=graphs)
-    runs = []
-    for _ in range(reps + 1):  # the first run warms up (kernel build, graph capture, page cache)
-        for _piece in gen.generate(prompt, n_gen, Sampler(SamplingParams(temperature=0))):
+    engine = "hybridsparse"
+
+    def __init__(self, model_path, threads: int, n_gpu_layers: int, prompt_tokens: int, n_gen: int,
+                 graphs: bool = True):
+        from .generate import Generator
+        from .loader import open_model
+        torch.set_num_threads(threads)
+        self.lm = lm = open_model(model_path, n_gpu_layers)
+        base = lm.tokenizer.encode("Once upon a time")
+        self.prompt = (base * (prompt_tokens // len(base) + 1))[:prompt_tokens]
+        self.n_gen, self.threads, self.graphs = n_gen, threads, graphs
+        self.n_gpu_layers = n_gpu_layers
+        self.gen = Generator(lm.model, lm.tokenizer, prompt_tokens + n_gen + 8, use_graphs=graphs)
+
+    def once(self) -> dict:
+        from .sampling import Sampler, SamplingParams
+        torch.set_num_threads(self.threads)
+        for _piece in self.gen.generate(self.prompt, self.n_gen, Sampler(SamplingParams(temperature=0))):
             pass
-        t = gen.timings
-        runs.append({"prefill_tok_s": t.prompt_tokens / t.prompt_s,
-                     "decode_tok_s": max(t.gen_tokens - 1, 1) / t.gen_s, "generated": t.gen_tokens})
-    runs = runs[1:]
-    # bytes read per decoded token: every weight except the embedding table, of which one row is read
-    # (unless the output head is the embedding, tied)
-    tied = "output.weight" not in lm.gguf.tensors
-    weights_bytes = sum(i.nbytes for n, i in lm.gguf.tensors.items() if tied or n != "token_embd.weight")
-    return {"engine": "hybridsparse", "threads": threads, "n_gpu_layers": n_gpu_layers, "cuda_graphs": graphs,
-            "prefill_tok_s": statistics.median(r["prefill_tok_s"] for r in runs),
-            "decode_tok_s": statistics.median(r["decode_tok_s"] for r in runs), "runs": runs,
-            "model": str(lm.gguf.path), "weights_bytes_per_token": weights_bytes}
+        t = self.gen.timings
+        return {"prefill_tok_s": t.prompt_tokens / t.prompt_s,
+                "decode_tok_s": max(t.gen_tokens - 1, 1) / t.gen_s, "generated": t.gen_tokens}
+
+    def describe(self) -> dict:
+        g = self.lm.gguf
+        # bytes read per decoded token: every weight except the embedding table, of which one row is
+        # read (unless the output head is the embedding, tied)
+        tied = "output.weight" not in g.tensors
+        return {"engine": self.engine, "threads": self.threads, "n_gpu_layers": self.n_gpu_layers,
+                "cuda_graphs": self.graphs, "model": str(g.path),
+                "weights_bytes_per_token": sum(i.nbytes for n, i in g.tensors.items()
+                                               if tied or n != "token_embd.weight")}
 
 
-def bench_llama_cpp(model_path, threads: int, n_gpu_layers: int, prompt_tokens: int, n_gen: int, reps: int) -> dict | None:
-    try:
+class LlamaCppRunner:
+    """llama.cpp through llama-cpp-python on the same file, same prompt, greedy."""
+
+    engine = "llama.cpp (llama-cpp-python)"
+
+    def __init__(self, model_path, threads: int, n_gpu_layers: int, prompt_tokens: int, n_gen: int):
         from llama_cpp import Llama
-    except ImportError:
-        return None
-    llm = Llama(model_path=str(model_path), n_threads=threads, n_gpu_layers=n_gpu_layers, n_ctx=prompt_tokens + n_gen + 8,
-                verbose=False, seed=0)
-    base = llm.tokenize(b"Once upon a time", add_bos=True)
-    prompt = (base * (prompt_tokens // len(base) + 1))[:prompt_tokens]
-    runs = []
-    for _ in range(reps + 1):
+        self.llm = Llama(model_path=str(model_path), n_threads=threads, n_gpu_layers=n_gpu_layers,
+                         n_ctx=prompt_tokens + n_gen + 8, verbose=False, seed=0)
+        base = self.llm.tokenize(b"Once upon a time", add_bos=True)
+        self.prompt = (base * (prompt_tokens // len(base) + 1))[:prompt_tokens]
+        self.n_gen, self.threads, self.n_gpu_layers = n_gen, threads, n_gpu_layers
+
+    def once(self) -> dict:
+        llm = self.llm
         llm.reset()
         t0 = time.perf_counter()
-        llm.eval(prompt)
+        llm.eval(self.prompt)
         t1 = time.perf_counter()
-        n = 0
-        for _ in range(n_gen):
-            tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
-            llm.eval([tok])
-            n += 1
+        for _ in range(self.n_gen - 1):
+            llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
         t2 = time.perf_counter()
-        runs.append({"prefill_tok_s": len(prompt) / (t1 - t0), "decode_tok_s": n / (t2 - t1)})
-    runs = runs[1:]
-    return {"engine": "llama.cpp (llama-cpp-python)", "threads": threads, "n_gpu_layers": n_gpu_layers,
-            "prefill_tok_s": statistics.median(r["prefill_tok_s"] for r in runs),
-            "decode_tok_s": statistics.median(r["decode_tok_s"] for r in runs), "runs": runs}
+        return {"prefill_tok_s": len(self.prompt) / (t1 - t0), "decode_tok_s": (self.n_gen - 1) / (t2 - t1)}
+
+    def describe(self) -> dict:
+        return {"engine": self.engine, "threads": self.threads, "n_gpu_layers": self.n_gpu_layers}
+
+
+def measure(runners: list, reps: int) -> list[dict]:
+    """Warm each runner up once, then alternate them rep by rep, so drift in a noisy machine hits
+    all of them alike; medians per runner, plus the per-rep runs."""
+    for r in runners:
+        r.once()
+    runs = [[] for _ in runners]
+    for _ in range(reps):
+        for i, r in enumerate(runners):
+            runs[i].append(r.once())
+    out = []
+    for r, rs in zip(runners, runs):
+        out.append({**r.describe(), "prefill_tok_s": statistics.median(x["prefill_tok_s"] for x in rs),
+                    "decode_tok_s": statistics.median(x["decode_tok_s"] for x in rs), "runs": rs})
+    return out
 
 
 def _run(args) -> int:
@@ -122,35 +146,39 @@ def _run(args) -> int:
     result = {"machine": machine(), "prompt_tokens": args.prompt_tokens, "generated_tokens": args.n_predict,
               "reps": args.reps, "results": []}
     result["machine"]["read_bandwidth_gib_s"] = round(measure_bandwidth_gib_s(device), 1)
-    hs = bench_hs(model, args.threads, args.n_gpu_layers, args.prompt_tokens, args.n_predict, args.reps)
-    result["results"].append(hs)
+    runners = [HSRunner(model, args.threads, args.n_gpu_layers, args.prompt_tokens, args.n_predict)]
     if args.compare_graphs and device == "cuda":
-        result["results"].append(bench_hs(model, args.threads, args.n_gpu_layers, args.prompt_tokens,
-                                          args.n_predict, args.reps, graphs=False))
+        runners.append(HSRunner(model, args.threads, args.n_gpu_layers, args.prompt_tokens, args.n_predict,
+                                graphs=False))
+    if args.llama_cpp:
+        try:
+            runners.append(LlamaCppRunner(model, args.threads, args.n_gpu_layers if device == "cuda" else 0,
+                                          args.prompt_tokens, args.n_predict))
+        except ImportError:
+            print("hs-bench: llama-cpp-python is not installed; skipping llama.cpp", file=sys.stderr)
+    result["results"] = measure(runners, args.reps)
+    hs = result["results"][0]
     bound = hs["weights_bytes_per_token"] / (result["machine"]["read_bandwidth_gib_s"] * 2**30)
     result["bandwidth_bound_decode_tok_s"] = 1.0 / bound
     result["fraction_of_bound"] = hs["decode_tok_s"] * bound
-    if args.llama_cpp:
-        ref = bench_llama_cpp(model, args.threads, args.n_gpu_layers if device == "cuda" else 0,
-                              args.prompt_tokens, args.n_predict, args.reps)
-        if ref is None:
-            print("hs-bench: llama-cpp-python is not installed; skipping llama.cpp", file=sys.stderr)
-        else:
-            result["results"].append(ref)
-            result["decode_ratio_vs_llama_cpp"] = hs["decode_tok_s"] / ref["decode_tok_s"]
-            result["prefill_ratio_vs_llama_cpp"] = hs["prefill_tok_s"] / ref["prefill_tok_s"]
+    ref = next((r for r in result["results"] if r["engine"].startswith("llama.cpp")), None)
+    if ref is not None:
+        idx = result["results"].index(ref)
+        pairs = zip(hs["runs"], result["results"][idx]["runs"])
+        result["decode_ratio_vs_llama_cpp"] = statistics.median(a["decode_tok_s"] / b["decode_tok_s"] for a, b in pairs)
+        result["prefill_ratio_vs_llama_cpp"] = hs["prefill_tok_s"] / ref["prefill_tok_s"]
     text = json.dumps(result, indent=2)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(text)
-    print(f"{'engine':32s} {'prefill tok/s':>14s} {'decode tok/s':>13s}")
+    print(f"{'engine':32s} {'prefill tok/s':>14s} {'decode tok/s':>13s}  (medians of {args.reps} alternating runs)")
     for r in result["results"]:
         label = r["engine"] + ("" if r.get("cuda_graphs", True) else " (no graphs)")
         print(f"{label:32s} {r['prefill_tok_s']:14.1f} {r['decode_tok_s']:13.1f}")
     print(f"bandwidth bound: {result['bandwidth_bound_decode_tok_s']:.1f} tok/s "
           f"({result['machine']['read_bandwidth_gib_s']} GiB/s); reached {100 * result['fraction_of_bound']:.1f}%")
     if "decode_ratio_vs_llama_cpp" in result:
-        print(f"decode vs llama.cpp: {result['decode_ratio_vs_llama_cpp']:.2f}x, "
+        print(f"decode vs llama.cpp: {result['decode_ratio_vs_llama_cpp']:.2f}x (median of per-run ratios), "
               f"prefill: {result['prefill_ratio_vs_llama_cpp']:.2f}x")
     return 0
 
@@ -235,7 +263,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(run)
     run.add_argument("--prompt-tokens", type=int, default=64)
     run.add_argument("-n", "--n-predict", type=int, default=128)
-    run.add_argument("--reps", type=int, default=3, help="timed runs (median), after one warm-up")
+    run.add_argument("--reps", type=int, default=5,
+                     help="timed runs per engine (median), after one warm-up; engines alternate run by run")
     run.add_argument("--llama-cpp", action="store_true", help="also run llama.cpp (llama-cpp-python) on the same file")
     run.add_argument("--compare-graphs", action="store_true", help="also run without CUDA graphs")
     run.add_argument("--json", help="write the results here")

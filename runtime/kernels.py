@@ -66,10 +66,10 @@ def build(verbose: bool = False):
     tag = digest.hexdigest()[:12]
     build_dir = Path(os.environ.get("HS_CACHE", Path.home() / ".cache" / "hybridsparse")) / "ext" / tag
     build_dir.mkdir(parents=True, exist_ok=True)
-    cflags = ["-O3", "-std=c++17", "-fopenmp", "-fno-math-errno"]
+    cflags = ["-O3", "-fopenmp", "-fno-math-errno"]  # the C++ standard: torch's own choice
     if os.environ.get("HS_SANITIZE"):
         cflags += ["-fsanitize=address", "-fno-omit-frame-pointer"]
-    cuda_flags = ["-O3", "--use_fast_math", "-std=c++17"]
+    cuda_flags = ["-O3", "--use_fast_math"]
     if with_cuda:
         major, minor = torch.cuda.get_device_capability()
         cuda_flags.append(f"-gencode=arch=compute_{major}{minor},code=sm_{major}{minor}")
@@ -151,6 +151,42 @@ def _has_cuda_kernels() -> bool:
 
 
 # --- the ops and their twins ---------------------------------------------------------------------
+
+def validate_matmul(data: torch.Tensor, qtype: Q, x: torch.Tensor, op: str = "qmatmul") -> None:
+    """The compiled ops check their arguments too, but a C++ exception crashed the process on the GPU
+    machine (torch 2.11 + CUDA 13), so bad arguments are refused here first, in Python."""
+    if not isinstance(qtype, Q):
+        try:
+            qtype = Q(qtype)
+        except ValueError:
+            raise ValueError(f"{op}: unsupported weight type id {qtype}") from None
+    if qtype not in GGML_QUANT_SIZES or qtype == Q.F32 and data.dtype != torch.float32:
+        raise ValueError(f"{op}: unsupported weight type {qtype.name}")
+    if data.dim() != 2 or not data.is_contiguous():
+        raise ValueError(f"{op}: weight must be a contiguous 2-D tensor")
+    if x.dim() != 2 or x.dtype != torch.float32 or not x.is_contiguous():
+        raise ValueError(f"{op}: x must be a contiguous float32 [tokens, features] tensor")
+    if x.device != data.device:
+        raise ValueError(f"{op}: x is on {x.device}, the weight on {data.device}")
+    block, size = GGML_QUANT_SIZES[qtype]
+    K = x.shape[1]
+    row_bytes = data.shape[1] * data.element_size()
+    if K % block or row_bytes != K // block * size:
+        raise ValueError(f"{op}: weight row has {row_bytes} bytes, expected {K // block * size} for {K} "
+                         f"{qtype.name} elements")
+    if data.is_cuda and qtype not in FLOAT_TYPES and qtype not in CUDA_QTYPES:
+        raise ValueError(f"{op} (CUDA): weight type {qtype.name} is not supported (Q8_0 and Q4_0 are)")
+    if data.is_cuda and qtype in CUDA_QTYPES and x.shape[0] > CUDA_MAX_GEMV_TOKENS:
+        raise ValueError(f"{op} (CUDA): at most {CUDA_MAX_GEMV_TOKENS} tokens per call, got {x.shape[0]}")
+
+
+def qmatmul(data: torch.Tensor, qtype: Q, x: torch.Tensor) -> torch.Tensor:
+    """The compiled matmul with its arguments checked in Python first (tests, external callers)."""
+    validate_matmul(data, qtype, x)
+    if data.is_cuda:
+        return ops().qmatmul(data, int(qtype), x)
+    return cpu.qmatmul(data, int(qtype), x) if ops() is not None else matmul_reference(x, data, Q(qtype))
+
 
 def matmul_reference(x: torch.Tensor, data: torch.Tensor, qtype: Q) -> torch.Tensor:
     """Twin of `qmatmul`: y[T, rows] = x[T, in] @ dequantize(data).T in float32."""

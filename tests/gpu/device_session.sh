@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-machine session: install, build the CUDA kernels, run the GPU and kernel tests, run the
-# benchmarks. Results land in $OUT (or ./gpu-results). Usage: bash tests/gpu/device_session.sh
+# benchmarks (HS_DEVICE_BENCH=0: tests only). Results land in $OUT (or ./gpu-results).
+# Usage: bash tests/gpu/device_session.sh
 set -uo pipefail
 OUT=${OUT:-gpu-results}
 mkdir -p "$OUT"
@@ -13,6 +14,7 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 ( time python3 -m hybridsparse.runtime.kernels ) 2>&1 | tail -4 | tee "$OUT/build.txt"
 python3 -m pytest -q tests/gpu tests/test_quants.py tests/test_architectures.py 2>&1 | tee "$OUT/pytest.txt" | tail -15
+[ "${HS_DEVICE_BENCH:-1}" = 1 ] || exit 0
 
 # a Gemma-3-270M-shaped model (random weights, F16: the real file cannot travel here) all on the GPU
 python3 - <<'PY'

@@ -30,10 +30,12 @@ def test_cuda_qmatmul_matches_twin_and_cpu(qtype, tokens):
 
 def test_cuda_qmatmul_rejects_bad_input():
     w = random_rows(Q.Q8_0, 8, 64).cuda()
-    with pytest.raises(RuntimeError, match="at most 8 tokens"):
-        kernels.ops().qmatmul(w, int(Q.Q8_0), torch.randn(9, 64, device="cuda"))
-    with pytest.raises(RuntimeError, match="not supported"):
-        kernels.ops().qmatmul(w, int(Q.Q6_K), torch.randn(1, 64, device="cuda"))
+    with pytest.raises(ValueError, match="at most 8 tokens"):
+        kernels.qmatmul(w, Q.Q8_0, torch.randn(9, 64, device="cuda"))
+    with pytest.raises(ValueError, match="not supported"):
+        kernels.qmatmul(random_rows(Q.Q6_K, 8, 256).cuda(), Q.Q6_K, torch.randn(1, 256, device="cuda"))
+    with pytest.raises(ValueError, match="is on cpu"):
+        kernels.qmatmul(w, Q.Q8_0, torch.randn(1, 64))
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
