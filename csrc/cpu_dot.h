@@ -365,16 +365,57 @@ HS_AVX2 static inline float dot_bf16_avx2(const void* row, const float* x, int64
   }
   return acc;
 }
+HS_AVX2 static inline float dot_f32_avx2(const float* a, const float* b, int64_t n) {
+  __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+    s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
+  }
+  float acc = hsum(_mm256_add_ps(s0, s1));
+  for (; i < n; ++i) acc += a[i] * b[i];
+  return acc;
+}
+
+HS_AVX2 static inline void axpy_f32_avx2(float s, const float* x, float* y, int64_t n) {
+  const __m256 sv = _mm256_set1_ps(s);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(sv, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+  for (; i < n; ++i) y[i] += s * x[i];
+}
 #endif  // HS_X86
 
 inline bool cpu_has_avx2() {
 #ifdef HS_X86
-  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                         __builtin_cpu_supports("f16c");
+  static const bool ok = [] {
+    __builtin_cpu_init();  // libgcc's CPU model may not be initialised yet inside a dlopen'ed library
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  }();
   return ok;
 #else
   return false;
 #endif
+}
+
+}  // namespace hs
+
+namespace hs {
+
+// float32 dot product and y += s * x, vectorized where the CPU allows (attention over the cache)
+inline float dot_f32(const float* a, const float* b, int64_t n) {
+#ifdef HS_X86
+  if (cpu_has_avx2()) return dot_f32_avx2(a, b, n);
+#endif
+  float acc = 0.f;
+  for (int64_t i = 0; i < n; ++i) acc += a[i] * b[i];
+  return acc;
+}
+
+inline void axpy_f32(float s, const float* x, float* y, int64_t n) {
+#ifdef HS_X86
+  if (cpu_has_avx2()) return axpy_f32_avx2(s, x, y, n);
+#endif
+  for (int64_t i = 0; i < n; ++i) y[i] += s * x[i];
 }
 
 }  // namespace hs

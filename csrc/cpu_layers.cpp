@@ -12,6 +12,8 @@
 #include <limits>
 #include <vector>
 
+#include "cpu_dot.h"
+
 namespace hs {
 
 void rope_cpu(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, bool neox) {
@@ -82,21 +84,14 @@ at::Tensor attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Ten
       if (last < first) continue;
       float mx = -std::numeric_limits<float>::infinity();
       for (int64_t s = first; s <= last; ++s) {
-        const float* kv = kcp + (hk * n_ctx + s) * D;
-        float dot = 0.f;
-        for (int64_t i = 0; i < D; ++i) dot += qv[i] * kv[i];
-        scores[s] = dot * static_cast<float>(scale);
+        scores[s] = dot_f32(qv, kcp + (hk * n_ctx + s) * D, D) * static_cast<float>(scale);
         mx = std::max(mx, scores[s]);
       }
       float sum = 0.f;
       for (int64_t s = first; s <= last; ++s) sum += (scores[s] = std::exp(scores[s] - mx));
       const float inv = 1.f / sum;
       float* o = op + t * Hq * D + h * D;
-      for (int64_t s = first; s <= last; ++s) {
-        const float p = scores[s] * inv;
-        const float* vv = vcp + (hk * n_ctx + s) * D;
-        for (int64_t i = 0; i < D; ++i) o[i] += p * vv[i];
-      }
+      for (int64_t s = first; s <= last; ++s) axpy_f32(scores[s] * inv, vcp + (hk * n_ctx + s) * D, o, D);
     }
   });
   return out;

@@ -7,6 +7,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <cstdlib>
+#include <string>
 #include <vector>
 
 #include "cpu_dot.h"
@@ -85,6 +87,15 @@ DotF pick_float(int64_t qtype) {
 constexpr int64_t PREFETCH_ROWS = 4;
 constexpr int64_t PREFETCH_MAX_BYTES = 4096;
 
+// HS_PREFETCH: 0 off, 1 non-temporal (default), 2 into all cache levels (for measuring CPUs apart).
+int prefetch_mode() {
+  static const int mode = [] {
+    const char* v = std::getenv("HS_PREFETCH");
+    return v ? std::atoi(v) : 1;
+  }();
+  return mode;
+}
+
 }  // namespace
 
 // Several weights against one x in one parallel region (q/k/v; gate/up): one fork/join instead of
@@ -116,6 +127,7 @@ std::vector<at::Tensor> qmatmul_multi_cpu(const std::vector<at::Tensor>& ws, con
   const int64_t total = first_row.back();
   if (T == 0 || total == 0) return ys;
   const int64_t grain = std::max<int64_t>(16, total / (at::get_num_threads() * 4));
+  const int pf = prefetch_mode();
   at::parallel_for(0, total, grain, [&](int64_t begin, int64_t end) {
     size_t i = 0;
     while (first_row[i + 1] <= begin) ++i;
@@ -133,9 +145,12 @@ std::vector<at::Tensor> qmatmul_multi_cpu(const std::vector<at::Tensor>& ws, con
       const DotQ8K dot_256 = be == QK_K ? pick_q8k(qtype) : nullptr;
       for (int64_t n = g - first_row[i]; n < stop - first_row[i]; ++n) {
         const int64_t ahead = std::min(PREFETCH_ROWS * row_bytes, PREFETCH_MAX_BYTES);
-        if ((n + 1) * row_bytes + ahead <= N * row_bytes) {
+        if (pf && (n + 1) * row_bytes + ahead <= N * row_bytes) {
           const char* next = reinterpret_cast<const char*>(wp + n * row_bytes + ahead);
-          for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(next + off, 0, 0);
+          if (pf == 1)
+            for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(next + off, 0, 0);
+          else
+            for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(next + off, 0, 3);
         }
         for (int64_t t = 0; t < T; ++t) {
           const uint8_t* row = wp + n * row_bytes;
@@ -156,6 +171,9 @@ std::vector<at::Tensor> qmatmul_multi_cpu(const std::vector<at::Tensor>& ws, con
 at::Tensor qmatmul_cpu(const at::Tensor& w, int64_t qtype, const at::Tensor& x) {
   return qmatmul_multi_cpu({w}, {qtype}, x)[0];
 }
+
+// Which CPU code path the dot products take on this machine ("avx2" or "scalar").
+std::string cpu_path() { return cpu_has_avx2() ? "avx2" : "scalar"; }
 
 // Index of the largest value of a float32 vector (greedy sampling), ties to the lowest index.
 int64_t argmax_cpu(const at::Tensor& x) {

@@ -6,6 +6,7 @@ at::Tensor qmatmul_cpu(const at::Tensor& w, int64_t qtype, const at::Tensor& x);
 std::vector<at::Tensor> qmatmul_multi_cpu(const std::vector<at::Tensor>& ws, const std::vector<int64_t>& qtypes,
                                           const at::Tensor& x);
 int64_t argmax_cpu(const at::Tensor& x);
+std::string cpu_path();
 at::Tensor qmatmul_t_cpu(const at::Tensor& w, int64_t qtype, const at::Tensor& h);
 bool has_cuda();
 void rope_cpu(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, bool neox);
@@ -50,6 +51,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qmatmul", &hs::qmatmul_cpu);
   m.def("qmatmul_multi", &hs::qmatmul_multi_cpu);
   m.def("argmax", &hs::argmax_cpu);
+  m.def("cpu_path", &hs::cpu_path);
   m.def("qmatmul_t", &hs::qmatmul_t_cpu);
   m.def("rms_norm", &hs::rms_norm_cpu);
   m.def("rope_", &hs::rope_cpu);

@@ -36,6 +36,9 @@ def machine() -> dict:
             info["cpu"] = next(l.split(":", 1)[1].strip() for l in fh if l.startswith("model name"))
     except (OSError, StopIteration):
         pass
+    from . import kernels
+    if kernels.available():
+        info["cpu_kernel_path"] = kernels.cpu.cpu_path()
     if torch.cuda.is_available():
         p = torch.cuda.get_device_properties(0)
         info.update(gpu=p.name, gpu_memory_gib=round(p.total_memory / 2**30, 1))

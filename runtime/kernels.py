@@ -25,8 +25,8 @@ CSRC = Path(__file__).resolve().parent.parent / "csrc"
 if not CSRC.is_dir():  # installed as a package: csrc is shipped inside hybridsparse/runtime
     CSRC = Path(__file__).resolve().parent / "csrc"
 
-# Block formats the compiled CPU matmul computes natively (activations quantized to 8 bits per block,
-# as llama.cpp does); the rest go through the twin.
+# Block formats the compiled CPU matmul computes natively (activations quantized per block to two
+# 8-bit planes, see csrc/quant_blocks.h); the rest go through the twin.
 CPU_QTYPES = {Q.F16, Q.BF16, Q.Q4_0, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K}
 CUDA_QTYPES = {Q.Q4_0, Q.Q8_0}
 CUDA_MAX_GEMV_TOKENS = 8  # csrc/cuda_matmul.cu: MAX_TOKENS
@@ -51,6 +51,19 @@ def _which(cmd: str) -> str | None:
     return shutil.which(cmd) or (str(Path(cuda_home, "bin", cmd)) if Path(cuda_home, "bin", cmd).exists() else None)
 
 
+def _torch_openmp_library() -> Path | None:
+    """The OpenMP runtime torch itself loaded. Linking -fopenmp would bring the system libgomp as a
+    second runtime when torch bundles its own under another name (CUDA wheels): two thread pools
+    spinning on one set of cores made every kernel 3-4x slower on the GPU machine's CPU."""
+    lib = Path(torch.__file__).resolve().parent / "lib"
+    for folder in (lib, lib.parent.parent / "torch.libs"):
+        for pattern in ("libgomp*.so*", "libiomp5*.so*"):
+            found = sorted(folder.glob(pattern))
+            if found:
+                return found[0]
+    return None
+
+
 def build(verbose: bool = False):
     """Compile (or load the cached build of) the extension; returns torch.ops.hybridsparse."""
     from torch.utils import cpp_extension
@@ -62,7 +75,7 @@ def build(verbose: bool = False):
     for path in sorted(CSRC.glob("*")):
         if path.is_file():
             digest.update(path.name.encode() + path.read_bytes())
-    digest.update(f"{torch.__version__}{with_cuda}".encode())
+    digest.update(f"{torch.__version__}{with_cuda}{_torch_openmp_library()}".encode())
     tag = digest.hexdigest()[:12]
     build_dir = Path(os.environ.get("HS_CACHE", Path.home() / ".cache" / "hybridsparse")) / "ext" / tag
     build_dir.mkdir(parents=True, exist_ok=True)
@@ -78,10 +91,12 @@ def build(verbose: bool = False):
         print(f"hybridsparse: building compiled kernels ({'CPU+CUDA' if with_cuda else 'CPU'}) "
               f"into {build_dir} (once)", file=sys.stderr)
     global cpu
+    omp = _torch_openmp_library()
+    omp_link = [str(omp), f"-Wl,-rpath,{omp.parent}"] if omp else ["-fopenmp"]
     cpu = cpp_extension.load(
         name="hybridsparse_C", sources=sources, build_directory=str(build_dir),
         extra_cflags=cflags, extra_cuda_cflags=cuda_flags,
-        extra_ldflags=["-fopenmp"] + (["-fsanitize=address"] if os.environ.get("HS_SANITIZE") else []),
+        extra_ldflags=omp_link + (["-fsanitize=address"] if os.environ.get("HS_SANITIZE") else []),
         is_python_module=True, verbose=verbose, with_cuda=with_cuda,
     )
     _register_fakes()
@@ -251,4 +266,4 @@ def use_cpu_op(t: torch.Tensor) -> bool:
 
 if __name__ == "__main__":  # `python -m hybridsparse.runtime.kernels`: build now (make install)
     build(verbose="-v" in sys.argv)
-    print(f"hybridsparse: kernels ready (CUDA: {_has_cuda_kernels()})")
+    print(f"hybridsparse: kernels ready (CPU path: {cpu.cpu_path()}, CUDA: {_has_cuda_kernels()})")

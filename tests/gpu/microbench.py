@@ -24,12 +24,15 @@ def timeit(f, n=20):
 
 
 kernels.ops()
+print('cpu kernel path:', kernels.cpu.cpu_path(), flush=True)
 rows, cols = 13824, 5120
+import os
+THREADS = [int(t) for t in os.environ.get('MB_THREADS', '1,4,8,16').split(',')]
 for qtype in (Q.F16, Q.Q8_0, Q.Q4_0):
     w = random_rows(qtype, rows, cols).contiguous()
     x = torch.randn(1, cols)
     nbytes = w.numel() * w.element_size()
-    for threads in (1, 4, 8, 16):
+    for threads in THREADS:
         torch.set_num_threads(threads)
         dt = timeit(lambda: kernels.cpu.qmatmul(w, int(qtype), x))
         line = f"cpu {qtype.name:5s} {threads:2d} threads: {nbytes / dt / 2**30:6.1f} GiB/s"
@@ -37,7 +40,7 @@ for qtype in (Q.F16, Q.Q8_0, Q.Q4_0):
             dt_t = timeit(lambda: torch.nn.functional.linear(x.half(), w))
             line += f"   torch fp16 linear {nbytes / dt_t / 2**30:6.1f} GiB/s"
         print(line, flush=True)
-if torch.cuda.is_available():
+if torch.cuda.is_available() and not os.environ.get('MB_CPU_ONLY'):
     for r, c in ((4096, 4096), (11008, 4096), (28672, 8192)):
         w = torch.randn(r, c, device="cuda", dtype=torch.float16)
         x = torch.randn(1, c, device="cuda", dtype=torch.float16)
