@@ -74,7 +74,10 @@ at::Tensor attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Ten
   float* op = out.data_ptr<float>();
   const float* qp = qc.data_ptr<float>();
   const int64_t group = Hq / Hkv;
-  at::parallel_for(0, T * Hq, 1, [&](int64_t b, int64_t e) {
+  // a decode step over a short cache is a few microseconds of work: not worth waking the threads
+  const int64_t work = T * Hq * kv_len * D;
+  const int64_t grain = work < (1 << 20) ? T * Hq : 1;
+  at::parallel_for(0, T * Hq, grain, [&](int64_t b, int64_t e) {
     std::vector<float> scores(kv_len);
     for (int64_t r = b; r < e; ++r) {
       const int64_t t = r / Hq, h = r % Hq, hk = h / group;

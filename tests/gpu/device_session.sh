@@ -36,3 +36,5 @@ rm -f /dev/shm/llama-7b-f16.gguf
 hs-bench synth --shape llama-13b --dtype f16 -o /dev/shm 2>&1 | tail -1
 hs-bench run -m /dev/shm/llama-13b-f16.gguf -ngl 11 -t 16 --reps 1 -n 32 --json "$OUT/bench_llama13b_f16_ngl11.json" 2>&1 | tail -4
 hs-bench run -m /dev/shm/llama-13b-f16.gguf -ngl 0 -t 16 --reps 1 -n 32 --json "$OUT/bench_llama13b_f16_cpu.json" 2>&1 | tail -4
+rm -f /dev/shm/llama-13b-f16.gguf
+MB_THREADS=1,16 PYTHONPATH="${PYTHONPATH:-}:$PWD/tests" python3 tests/gpu/microbench.py 2>&1 | tee "$OUT/microbench.txt"
