@@ -87,15 +87,30 @@ class HSRunner:
         return {"prefill_tok_s": t.prompt_tokens / t.prompt_s,
                 "decode_tok_s": max(t.gen_tokens - 1, 1) / t.gen_s, "generated": t.gen_tokens}
 
-    def describe(self) -> dict:
-        g = self.lm.gguf
-        # bytes read per decoded token: every weight except the embedding table, of which one row is
-        # read (unless the output head is the embedding, tied)
+    def bytes_per_token(self) -> tuple[int, int]:
+        """Weight bytes read per decoded token on the CPU and on the GPU, from the placement: every
+        weight except the embedding table, of which one row is read (unless it is the tied head)."""
+        g, p = self.lm.gguf, self.lm.model.placement
         tied = "output.weight" not in g.tensors
-        return {"engine": self.engine, "threads": self.threads, "n_gpu_layers": self.n_gpu_layers,
-                "cuda_graphs": self.graphs, "model": str(g.path),
-                "weights_bytes_per_token": sum(i.nbytes for n, i in g.tensors.items()
-                                               if tied or n != "token_embd.weight")}
+        on = {"cpu": 0, "cuda": 0}
+        for name, info in g.tensors.items():
+            if name == "token_embd.weight" and not tied:
+                continue
+            if name.startswith("blk."):
+                dev = p.layers[int(name.split(".")[1])]
+            else:
+                dev = p.head
+            on[dev.type] += info.nbytes
+        return on["cpu"], on["cuda"]
+
+    def describe(self) -> dict:
+        p = self.lm.model.placement
+        on_gpu = sum(d.type == "cuda" for d in p.layers) + (p.head.type == "cuda")
+        cpu_bytes, gpu_bytes = self.bytes_per_token()
+        return {"engine": self.engine, "threads": self.threads, "n_gpu_layers": on_gpu,
+                "cuda_graphs": self.graphs, "model": str(self.lm.gguf.path),
+                "weights_bytes_per_token": cpu_bytes + gpu_bytes,
+                "cpu_bytes_per_token": cpu_bytes, "gpu_bytes_per_token": gpu_bytes}
 
 
 class LlamaCppRunner:
@@ -148,7 +163,9 @@ def _run(args) -> int:
     device = "cuda" if torch.cuda.is_available() and args.n_gpu_layers != 0 else "cpu"
     result = {"machine": machine(), "prompt_tokens": args.prompt_tokens, "generated_tokens": args.n_predict,
               "reps": args.reps, "results": []}
-    result["machine"]["read_bandwidth_gib_s"] = round(measure_bandwidth_gib_s(device), 1)
+    result["machine"]["cpu_read_bandwidth_gib_s"] = round(measure_bandwidth_gib_s("cpu"), 1)
+    if device == "cuda":
+        result["machine"]["gpu_read_bandwidth_gib_s"] = round(measure_bandwidth_gib_s("cuda"), 1)
     runners = [HSRunner(model, args.threads, args.n_gpu_layers, args.prompt_tokens, args.n_predict)]
     if args.compare_graphs and device == "cuda":
         runners.append(HSRunner(model, args.threads, args.n_gpu_layers, args.prompt_tokens, args.n_predict,
@@ -161,7 +178,12 @@ def _run(args) -> int:
             print("hs-bench: llama-cpp-python is not installed; skipping llama.cpp", file=sys.stderr)
     result["results"] = measure(runners, args.reps)
     hs = result["results"][0]
-    bound = hs["weights_bytes_per_token"] / (result["machine"]["read_bandwidth_gib_s"] * 2**30)
+    m = result["machine"]
+    # the roofline: each device reads its share of the weights at its measured bandwidth, one after
+    # the other (the dense layer split does not overlap them)
+    bound = hs["cpu_bytes_per_token"] / (m["cpu_read_bandwidth_gib_s"] * 2**30)
+    if hs["gpu_bytes_per_token"]:
+        bound += hs["gpu_bytes_per_token"] / (m["gpu_read_bandwidth_gib_s"] * 2**30)
     result["bandwidth_bound_decode_tok_s"] = 1.0 / bound
     result["fraction_of_bound"] = hs["decode_tok_s"] * bound
     ref = next((r for r in result["results"] if r["engine"].startswith("llama.cpp")), None)
@@ -178,8 +200,9 @@ def _run(args) -> int:
     for r in result["results"]:
         label = r["engine"] + ("" if r.get("cuda_graphs", True) else " (no graphs)")
         print(f"{label:32s} {r['prefill_tok_s']:14.1f} {r['decode_tok_s']:13.1f}")
-    print(f"bandwidth bound: {result['bandwidth_bound_decode_tok_s']:.1f} tok/s "
-          f"({result['machine']['read_bandwidth_gib_s']} GiB/s); reached {100 * result['fraction_of_bound']:.1f}%")
+    bws = ", ".join(f"{k.split('_')[0].upper()} {v} GiB/s" for k, v in m.items() if k.endswith("bandwidth_gib_s"))
+    print(f"bandwidth bound: {result['bandwidth_bound_decode_tok_s']:.1f} tok/s ({bws}); "
+          f"reached {100 * result['fraction_of_bound']:.1f}%")
     if "decode_ratio_vs_llama_cpp" in result:
         print(f"decode vs llama.cpp: {result['decode_ratio_vs_llama_cpp']:.2f}x (median of per-run ratios), "
               f"prefill: {result['prefill_ratio_vs_llama_cpp']:.2f}x")
@@ -247,7 +270,7 @@ def _table(args) -> int:
     for path in args.files:
         d = json.loads(Path(path).read_text())
         m = d["machine"]
-        where = m.get("gpu", m["cpu"]) if any(r.get("n_gpu_layers", 0) != 0 for r in d["results"]) else m["cpu"]
+        where = f"{m['gpu']} + {m['cpu']}" if "gpu" in m and any(r.get("n_gpu_layers", 0) > 0 for r in d["results"]) else m["cpu"]
         for r in d["results"]:
             ours = r["engine"] == "hybridsparse"
             label = r["engine"] + ("" if r.get("cuda_graphs", True) else " (no CUDA graphs)")
