@@ -14,7 +14,10 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 ( time python3 -m hybridsparse.runtime.kernels ) 2>&1 | tail -4 | tee "$OUT/build.txt"
 python3 -m pytest -q tests/gpu tests/test_quants.py tests/test_architectures.py 2>&1 | tee "$OUT/pytest.txt" | tail -15
-[ "${HS_DEVICE_BENCH:-1}" = 1 ] || exit 0
+if [ "${HS_DEVICE_BENCH:-1}" != 1 ]; then  # tests, then the CPU microbenchmark only
+  MB_THREADS=1,16 MB_CPU_ONLY=1 PYTHONPATH="${PYTHONPATH:-}:$PWD/tests" python3 tests/gpu/microbench.py 2>&1 | tee "$OUT/microbench.txt"
+  exit 0
+fi
 
 # a Gemma-3-270M-shaped model (random weights, F16: the real file cannot travel here) all on the GPU
 python3 - <<'PY'
