@@ -270,7 +270,7 @@ def _table(args) -> int:
     for path in args.files:
         d = json.loads(Path(path).read_text())
         m = d["machine"]
-        where = f"{m['gpu']} + {m['cpu']}" if "gpu" in m and any(r.get("n_gpu_layers", 0) > 0 for r in d["results"]) else m["cpu"]
+        where = f"{m['gpu']} + {m['cpu']}" if "gpu" in m and any(r.get("n_gpu_layers", 0) != 0 for r in d["results"]) else m["cpu"]
         for r in d["results"]:
             ours = r["engine"] == "hybridsparse"
             label = r["engine"] + ("" if r.get("cuda_graphs", True) else " (no CUDA graphs)")
