@@ -98,13 +98,30 @@ int prefetch_mode() {
 
 }  // namespace
 
-// Several weights against one x in one parallel region (q/k/v; gate/up): one fork/join instead of
-// several, and the activations quantized once per block format.
-std::vector<at::Tensor> qmatmul_multi_cpu(const std::vector<at::Tensor>& ws, const std::vector<int64_t>& qtypes,
-                                          const at::Tensor& x) {
+namespace {
+
+// Checks an optional int32 row-index list against a weight of N rows; returns its length (N if none).
+int64_t check_rows(const c10::optional<at::Tensor>& idx, int64_t N, const char* op) {
+  if (!idx.has_value() || !idx->defined()) return N;
+  TORCH_CHECK(idx->dim() == 1 && idx->scalar_type() == at::kInt && idx->is_contiguous() && idx->device().is_cpu(),
+              op, ": index set must be a contiguous int32 CPU vector");
+  const int32_t* p = idx->data_ptr<int32_t>();
+  for (int64_t k = 0; k < idx->numel(); ++k)
+    TORCH_CHECK(p[k] >= 0 && p[k] < N, op, ": index ", p[k], " at position ", k, " is outside the ", N, " rows");
+  return idx->numel();
+}
+
+}  // namespace
+
+// y_i[t, k] = W_i[row_i(k)] . x[t] for several weights in one parallel region, row_i(k) = idx_i[k]
+// (the sparse row-dot) or k (dense). One fork/join for q/k/v or gate/up, activations quantized once
+// per block format, and only the listed rows read.
+std::vector<at::Tensor> qmatmul_rows_cpu(const std::vector<at::Tensor>& ws, const std::vector<int64_t>& qtypes,
+                                         const at::Tensor& x, const std::vector<c10::optional<at::Tensor>>& idxs) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "qmatmul: x must be a contiguous float32 [tokens, features] tensor");
-  TORCH_CHECK(ws.size() == qtypes.size() && !ws.empty(), "qmatmul_multi: one type id per weight");
+  TORCH_CHECK(ws.size() == qtypes.size() && ws.size() == idxs.size() && !ws.empty(),
+              "qmatmul: one type id and one index set (or None) per weight");
   const int64_t T = x.size(0), K = x.size(1);
   const float* xp = x.data_ptr<float>();
   std::vector<ActQ8> act32;
@@ -113,8 +130,9 @@ std::vector<at::Tensor> qmatmul_multi_cpu(const std::vector<at::Tensor>& ws, con
   std::vector<int64_t> first_row{0};
   for (size_t i = 0; i < ws.size(); ++i) {
     check_weight(ws[i], qtypes[i], K, "qmatmul");
-    ys.push_back(at::empty({T, ws[i].size(0)}, x.options()));
-    first_row.push_back(first_row.back() + ws[i].size(0));
+    const int64_t M = check_rows(idxs[i], ws[i].size(0), "qmatmul");
+    ys.push_back(at::empty({T, M}, x.options()));
+    first_row.push_back(first_row.back() + M);
     const int be = block_elems(qtypes[i]);
     if (be == QK && act32.empty()) {
       act32.resize(T * (K / QK));
@@ -135,6 +153,8 @@ std::vector<at::Tensor> qmatmul_multi_cpu(const std::vector<at::Tensor>& ws, con
       const int64_t stop = std::min(end, first_row[i + 1]);
       const at::Tensor& w = ws[i];
       const int64_t qtype = qtypes[i], N = w.size(0), row_bytes = w.size(1) * w.element_size();
+      const int64_t M = first_row[i + 1] - first_row[i];
+      const int32_t* idx = idxs[i].has_value() && idxs[i]->defined() ? idxs[i]->data_ptr<int32_t>() : nullptr;
       const uint8_t* wp = static_cast<const uint8_t*>(w.data_ptr());
       float* yp = ys[i].data_ptr<float>();
       const int be = block_elems(qtype);
@@ -143,22 +163,28 @@ std::vector<at::Tensor> qmatmul_multi_cpu(const std::vector<at::Tensor>& ws, con
       const DotF dot_f = is_float ? pick_float(qtype) : nullptr;
       const DotQ8 dot_32 = be == QK ? pick_q8(qtype) : nullptr;
       const DotQ8K dot_256 = be == QK_K ? pick_q8k(qtype) : nullptr;
-      for (int64_t n = g - first_row[i]; n < stop - first_row[i]; ++n) {
-        const int64_t ahead = std::min(PREFETCH_ROWS * row_bytes, PREFETCH_MAX_BYTES);
-        if (pf && (n + 1) * row_bytes + ahead <= N * row_bytes) {
-          const char* next = reinterpret_cast<const char*>(wp + n * row_bytes + ahead);
-          if (pf == 1)
+      const int64_t ahead = std::min(PREFETCH_ROWS * row_bytes, PREFETCH_MAX_BYTES);
+      for (int64_t k = g - first_row[i]; k < stop - first_row[i]; ++k) {
+        const int64_t n = idx ? idx[k] : k;
+        if (pf) {
+          const char* next = nullptr;
+          if (idx) {  // the next listed row, all of it: it is not where the hardware prefetcher looks
+            if (k + 1 < M) next = reinterpret_cast<const char*>(wp + static_cast<int64_t>(idx[k + 1]) * row_bytes);
+          } else if ((n + 1) * row_bytes + ahead <= N * row_bytes) {
+            next = reinterpret_cast<const char*>(wp + n * row_bytes + ahead);
+          }
+          if (next && pf == 1)
             for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(next + off, 0, 0);
-          else
+          else if (next)
             for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(next + off, 0, 3);
         }
+        const uint8_t* row = wp + n * row_bytes;
         for (int64_t t = 0; t < T; ++t) {
-          const uint8_t* row = wp + n * row_bytes;
           float v;
           if (is_float) v = dot_f(row, xp + t * K, K);
           else if (dot_32) v = dot_32(row, act32.data() + t * nb, nb);
           else v = dot_256(row, act256.data() + t * nb, nb);
-          yp[t * N + n] = v;
+          yp[t * M + k] = v;
         }
       }
       g = stop;
@@ -166,6 +192,11 @@ std::vector<at::Tensor> qmatmul_multi_cpu(const std::vector<at::Tensor>& ws, con
     }
   });
   return ys;
+}
+
+std::vector<at::Tensor> qmatmul_multi_cpu(const std::vector<at::Tensor>& ws, const std::vector<int64_t>& qtypes,
+                                          const at::Tensor& x) {
+  return qmatmul_rows_cpu(ws, qtypes, x, std::vector<c10::optional<at::Tensor>>(ws.size()));
 }
 
 at::Tensor qmatmul_cpu(const at::Tensor& w, int64_t qtype, const at::Tensor& x) {
@@ -200,37 +231,41 @@ int64_t argmax_cpu(const at::Tensor& x) {
 
 void dequant_row(const uint8_t* row, int64_t qtype, int64_t K, float* out);  // dequant.cpp
 
-at::Tensor qmatmul_t_cpu(const at::Tensor& w, int64_t qtype, const at::Tensor& h) {
+// y[t] = sum_k h[t, k] * W_t[row(k)], row(k) = idx[k] (the sparse axpy over active neurons) or k
+// (the dense transposed product, ffn_down_t). Each thread sums its rows into its own buffer and the
+// buffers are added afterwards: no two threads ever write the same float.
+at::Tensor sparse_axpy_cpu(const at::Tensor& w, int64_t qtype, const at::Tensor& h,
+                           const c10::optional<at::Tensor>& idx) {
   TORCH_CHECK(h.dim() == 2 && h.scalar_type() == at::kFloat && h.is_contiguous(),
-              "qmatmul_t: h must be a contiguous float32 [tokens, rows] tensor");
+              "sparse_axpy: h must be a contiguous float32 [tokens, rows] tensor");
   const int64_t T = h.size(0), N = w.size(0);
-  TORCH_CHECK(h.size(1) == N, "qmatmul_t: h has ", h.size(1), " columns but the weight has ", N, " rows");
+  const int64_t M = check_rows(idx, N, "sparse_axpy");
+  TORCH_CHECK(h.size(1) == M, "sparse_axpy: h has ", h.size(1), " columns for ", M, " rows");
   const int be = block_elems(qtype), bb = block_bytes(qtype);
-  TORCH_CHECK(bb > 0, "qmatmul_t: unsupported weight type id ", qtype);
+  TORCH_CHECK(bb > 0, "sparse_axpy: unsupported weight type id ", qtype);
   const int64_t row_bytes = w.size(1) * w.element_size();
   const int64_t K = row_bytes / bb * be;
-  check_weight(w, qtype, K, "qmatmul_t");
+  check_weight(w, qtype, K, "sparse_axpy");
   auto y = at::zeros({T, K}, h.options());
-  if (T == 0 || N == 0 || K == 0) return y;
+  if (T == 0 || M == 0 || K == 0) return y;
+  const int32_t* ip = idx.has_value() && idx->defined() ? idx->data_ptr<int32_t>() : nullptr;
   const uint8_t* wp = static_cast<const uint8_t*>(w.data_ptr());
   const float* hp = h.data_ptr<float>();
-  const int n_threads = at::get_num_threads();
+  const int n_threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), M));
   std::vector<float> partial(static_cast<size_t>(n_threads) * T * K, 0.f);
   at::parallel_for(0, n_threads, 1, [&](int64_t tb, int64_t te) {
     std::vector<float> row(K);
     for (int64_t tid = tb; tid < te; ++tid) {
       float* acc = partial.data() + tid * T * K;
-      const int64_t r0 = N * tid / n_threads, r1 = N * (tid + 1) / n_threads;
-      for (int64_t n = r0; n < r1; ++n) {
+      const int64_t r0 = M * tid / n_threads, r1 = M * (tid + 1) / n_threads;
+      for (int64_t k = r0; k < r1; ++k) {
         bool any = false;
-        for (int64_t t = 0; t < T && !any; ++t) any = hp[t * N + n] != 0.f;
+        for (int64_t t = 0; t < T && !any; ++t) any = hp[t * M + k] != 0.f;
         if (!any) continue;  // an inactive neuron costs nothing
-        dequant_row(wp + n * row_bytes, qtype, K, row.data());
+        dequant_row(wp + (ip ? ip[k] : k) * row_bytes, qtype, K, row.data());
         for (int64_t t = 0; t < T; ++t) {
-          const float s = hp[t * N + n];
-          if (s == 0.f) continue;
-          float* out = acc + t * K;
-          for (int64_t k = 0; k < K; ++k) out[k] += s * row[k];
+          const float s = hp[t * M + k];
+          if (s != 0.f) axpy_f32(s, row.data(), acc + t * K, K);
         }
       }
     }
@@ -243,6 +278,10 @@ at::Tensor qmatmul_t_cpu(const at::Tensor& w, int64_t qtype, const at::Tensor& h
     }
   });
   return y;
+}
+
+at::Tensor qmatmul_t_cpu(const at::Tensor& w, int64_t qtype, const at::Tensor& h) {
+  return sparse_axpy_cpu(w, qtype, h, c10::nullopt);
 }
 
 }  // namespace hs

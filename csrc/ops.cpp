@@ -7,6 +7,16 @@ std::vector<at::Tensor> qmatmul_multi_cpu(const std::vector<at::Tensor>& ws, con
                                           const at::Tensor& x);
 int64_t argmax_cpu(const at::Tensor& x);
 std::string cpu_path();
+std::vector<at::Tensor> qmatmul_rows_cpu(const std::vector<at::Tensor>& ws, const std::vector<int64_t>& qtypes,
+                                         const at::Tensor& x, const std::vector<c10::optional<at::Tensor>>& idxs);
+at::Tensor sparse_axpy_cpu(const at::Tensor& w, int64_t qtype, const at::Tensor& h,
+                           const c10::optional<at::Tensor>& idx);
+std::tuple<at::Tensor, at::Tensor> sparse_ffn_cpu(const at::Tensor& x, const at::Tensor& up, int64_t up_type,
+                                                  const c10::optional<at::Tensor>& gate, int64_t gate_type,
+                                                  const at::Tensor& down_t, int64_t down_type,
+                                                  const c10::optional<at::Tensor>& idx,
+                                                  const c10::optional<at::Tensor>& up_bias, int64_t act,
+                                                  bool act_on_up);
 at::Tensor qmatmul_t_cpu(const at::Tensor& w, int64_t qtype, const at::Tensor& h);
 bool has_cuda();
 void rope_cpu(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, bool neox);
@@ -52,6 +62,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qmatmul_multi", &hs::qmatmul_multi_cpu);
   m.def("argmax", &hs::argmax_cpu);
   m.def("cpu_path", &hs::cpu_path);
+  m.def("qmatmul_rows", &hs::qmatmul_rows_cpu, "y_i = x . W_i[idx_i]^T (idx_i None: all rows)");
+  m.def("sparse_axpy", &hs::sparse_axpy_cpu, "y = h . W_t[idx] (idx None: all rows)");
+  m.def("sparse_ffn", &hs::sparse_ffn_cpu, "the FFN over the neurons idx (None: all); returns (y, h)");
   m.def("qmatmul_t", &hs::qmatmul_t_cpu);
   m.def("rms_norm", &hs::rms_norm_cpu);
   m.def("rope_", &hs::rope_cpu);

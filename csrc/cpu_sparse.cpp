@@ -1,0 +1,46 @@
+// The fused sparse FFN on the CPU, for the neurons in an index set S (all neurons when S is None):
+//   h_i = act(g_i . x) * (u_i . x)            gated (ReLU-gated, SwiGLU, GeGLU)
+//   h_i = act(g_i . x) * act(u_i . x)         dReLU
+//   h_i = act(u_i . x + b_i)                  no gate, with biases (OPT, ReluFalcon)
+//   y   = sum_{i in S} h_i * d_i              d_i: row i of ffn_down_t
+// Returns (y [T, d_model], h [T, |S|]); h is what profiling and thresholds look at.
+#include <ATen/ATen.h>
+
+#include <tuple>
+#include <vector>
+
+namespace hs {
+
+std::vector<at::Tensor> qmatmul_rows_cpu(const std::vector<at::Tensor>& ws, const std::vector<int64_t>& qtypes,
+                                         const at::Tensor& x, const std::vector<c10::optional<at::Tensor>>& idxs);
+at::Tensor sparse_axpy_cpu(const at::Tensor& w, int64_t qtype, const at::Tensor& h,
+                           const c10::optional<at::Tensor>& idx);
+at::Tensor gated_act_cpu(const at::Tensor& gate, const at::Tensor& up, int64_t act, bool act_on_up);
+
+std::tuple<at::Tensor, at::Tensor> sparse_ffn_cpu(const at::Tensor& x, const at::Tensor& up, int64_t up_type,
+                                                  const c10::optional<at::Tensor>& gate, int64_t gate_type,
+                                                  const at::Tensor& down_t, int64_t down_type,
+                                                  const c10::optional<at::Tensor>& idx,
+                                                  const c10::optional<at::Tensor>& up_bias, int64_t act,
+                                                  bool act_on_up) {
+  const bool gated = gate.has_value() && gate->defined();
+  std::vector<at::Tensor> ws;
+  std::vector<int64_t> types;
+  if (gated) {
+    ws.push_back(*gate);
+    types.push_back(gate_type);
+  }
+  ws.push_back(up);
+  types.push_back(up_type);
+  auto rows = qmatmul_rows_cpu(ws, types, x, std::vector<c10::optional<at::Tensor>>(ws.size(), idx));
+  at::Tensor u = rows.back();
+  if (up_bias.has_value() && up_bias->defined()) {
+    TORCH_CHECK(up_bias->dim() == 1 && up_bias->size(0) == up.size(0) && up_bias->scalar_type() == at::kFloat,
+                "sparse_ffn: up bias must be float32 [n_ff]");
+    u.add_(idx.has_value() && idx->defined() ? up_bias->index_select(0, idx->to(at::kLong)) : *up_bias);
+  }
+  at::Tensor h = gated ? gated_act_cpu(rows[0], u, act, act_on_up) : gated_act_cpu(u, at::ones_like(u), act, false);
+  return {sparse_axpy_cpu(down_t, down_type, h, idx), h};
+}
+
+}  // namespace hs
