@@ -260,6 +260,83 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 ACTIVATION_IDS = {"silu": 0, "relu": 1, "gelu": 2, "gelu_erf": 3}
 
 
+# --- sparse ops over an index set of neurons (rows), with their twins ---------------------------
+
+def _check_index(idx: torch.Tensor | None, rows: int, op: str) -> None:
+    if idx is None:
+        return
+    if idx.dim() != 1 or idx.dtype != torch.int32:
+        raise ValueError(f"{op}: the index set must be an int32 vector, got {idx.dtype} {list(idx.shape)}")
+    if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= rows):
+        raise ValueError(f"{op}: index {int(idx.max()) if int(idx.max()) >= rows else int(idx.min())} "
+                         f"is outside the {rows} rows")
+
+
+def sparse_rowdot_reference(data: torch.Tensor, qtype: Q, x: torch.Tensor, idx: torch.Tensor | None) -> torch.Tensor:
+    rows = data if idx is None else data[idx.long()]
+    return F.linear(x, dequantize(rows, qtype)) if rows.shape[0] else x.new_zeros((x.shape[0], 0))
+
+
+def sparse_rowdot(data: torch.Tensor, qtype: Q, x: torch.Tensor, idx: torch.Tensor | None) -> torch.Tensor:
+    """y[t, k] = W[idx[k]] . x[t] (idx None: every row)."""
+    validate_matmul(data, qtype, x, "sparse_rowdot")
+    _check_index(idx, data.shape[0], "sparse_rowdot")
+    if use_cpu_op(x) and qtype in CPU_QTYPES:
+        return cpu.qmatmul_rows([data], [int(qtype)], x, [None if idx is None else idx.contiguous()])[0]
+    return sparse_rowdot_reference(data, qtype, x, idx)
+
+
+def sparse_axpy_reference(data: torch.Tensor, qtype: Q, h: torch.Tensor, idx: torch.Tensor | None) -> torch.Tensor:
+    rows = data if idx is None else data[idx.long()]
+    return h @ dequantize(rows, qtype) if rows.shape[0] else h.new_zeros((h.shape[0], _row_elems(data, qtype)))
+
+
+def _row_elems(data: torch.Tensor, qtype: Q) -> int:
+    block, size = GGML_QUANT_SIZES[qtype]
+    return data.shape[1] * data.element_size() // size * block
+
+
+def sparse_axpy(data: torch.Tensor, qtype: Q, h: torch.Tensor, idx: torch.Tensor | None) -> torch.Tensor:
+    """y[t] = sum_k h[t, k] * W_t[idx[k]] (idx None: every row)."""
+    _check_index(idx, data.shape[0], "sparse_axpy")
+    if h.dim() != 2 or h.dtype != torch.float32 or h.shape[1] != (data.shape[0] if idx is None else idx.numel()):
+        raise ValueError(f"sparse_axpy: h must be float32 [tokens, {data.shape[0] if idx is None else idx.numel()}]")
+    if use_cpu_op(h) and qtype in CPU_QTYPES and qtype not in (Q.Q4_K, Q.Q5_K, Q.Q6_K):
+        return cpu.sparse_axpy(data, int(qtype), h.contiguous(), None if idx is None else idx.contiguous())
+    return sparse_axpy_reference(data, qtype, h, idx)
+
+
+def sparse_ffn_reference(x, up, up_type, gate, gate_type, down_t, down_type, idx, up_bias, activation, act_on_up):
+    """Twin of `sparse_ffn`: returns (y, h)."""
+    act = {"silu": F.silu, "relu": F.relu, "gelu": lambda v: F.gelu(v, approximate="tanh"),
+           "gelu_erf": F.gelu}[activation]
+    u = sparse_rowdot_reference(up, up_type, x, idx)
+    if up_bias is not None:
+        u = u + (up_bias if idx is None else up_bias[idx.long()])
+    if gate is not None:
+        g = sparse_rowdot_reference(gate, gate_type, x, idx)
+        h = act(g) * (act(u) if act_on_up else u)
+    else:
+        h = act(u)
+    return sparse_axpy_reference(down_t, down_type, h, idx), h
+
+
+def sparse_ffn(x, up, up_type, gate, gate_type, down_t, down_type, idx, up_bias=None, activation="relu",
+               act_on_up=False):
+    """The FFN over the neurons idx (None: all): (y [T, d_model], h [T, |idx|])."""
+    validate_matmul(up, up_type, x, "sparse_ffn")
+    if gate is not None:
+        validate_matmul(gate, gate_type, x, "sparse_ffn")
+    _check_index(idx, up.shape[0], "sparse_ffn")
+    if use_cpu_op(x) and {up_type, down_type} | ({gate_type} if gate is not None else set()) <= CPU_QTYPES \
+            and down_type not in (Q.Q4_K, Q.Q5_K, Q.Q6_K):
+        return cpu.sparse_ffn(x, up, int(up_type), gate, int(gate_type) if gate is not None else 0, down_t,
+                              int(down_type), None if idx is None else idx.contiguous(), up_bias,
+                              ACTIVATION_IDS[activation], act_on_up)
+    return sparse_ffn_reference(x, up, up_type, gate, gate_type, down_t, down_type, idx, up_bias, activation,
+                                act_on_up)
+
+
 def use_cpu_op(t: torch.Tensor) -> bool:
     return not t.is_cuda and ops() is not None
 

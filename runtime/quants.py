@@ -120,6 +120,8 @@ def dequantize(raw: torch.Tensor, qtype: Q) -> torch.Tensor:
             raw = raw.view(FLOAT_TYPES[qtype])
         return raw.float()
     rows = raw.shape[0]
+    if rows == 0:
+        return torch.zeros((0, row_elements(qtype, raw.shape[1])), device=raw.device)
     if qtype in _TORCH_DEQUANT:
         out = _TORCH_DEQUANT[qtype](_blocks(raw, qtype))
         return out.reshape(rows, -1)

@@ -1,0 +1,111 @@
+"""The sparse CPU ops against their pure-torch twins: every weight type and activation variant, odd
+sizes, empty / single / all-active / unsorted index sets, 1..3 tokens, 1 and 2 threads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
+
+from hybridsparse.runtime import kernels
+from hybridsparse.runtime.quants import dequantize
+from quant_utils import quantize_activations, random_rows
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="compiled kernels unavailable")
+
+N_ROWS = 67
+ROW_TYPES = [Q.Q4_0, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q6_K, Q.F16, Q.BF16]
+AXPY_TYPES = [Q.Q4_0, Q.Q5_0, Q.Q8_0, Q.F16, Q.BF16]
+
+
+def index_sets(n):
+    g = torch.Generator().manual_seed(n)
+    return {"empty": torch.zeros(0, dtype=torch.int32), "single": torch.tensor([n // 2], dtype=torch.int32),
+            "all": torch.arange(n, dtype=torch.int32), "unsorted": torch.randperm(n, generator=g)[: n // 3].int(),
+            "none": None}
+
+
+def _cols(qtype):
+    block = GGML_QUANT_SIZES[qtype][0]
+    return 101 if block == 1 else block * 3
+
+
+@pytest.mark.parametrize("qtype", ROW_TYPES)
+@pytest.mark.parametrize("which", ["empty", "single", "all", "unsorted", "none"])
+@pytest.mark.parametrize("tokens,n_threads", [(1, 1), (3, 2)])
+def test_sparse_rowdot(qtype, which, tokens, n_threads, threads):
+    torch.set_num_threads(n_threads)
+    w = random_rows(qtype, N_ROWS, _cols(qtype), seed=7)
+    K = dequantize(w[:1], qtype).shape[1]
+    x = torch.randn(tokens, K)
+    idx = index_sets(N_ROWS)[which]
+    y = kernels.sparse_rowdot(w, qtype, x, idx)
+    block = GGML_QUANT_SIZES[qtype][0]
+    xq = x.double() if qtype in (Q.F16, Q.BF16) else quantize_activations(x, block)
+    rows = w if idx is None else w[idx.long()]
+    ref = xq @ dequantize(rows, qtype).double().T
+    assert y.shape == ref.shape
+    if ref.numel():
+        assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5
+
+
+@pytest.mark.parametrize("qtype", AXPY_TYPES)
+@pytest.mark.parametrize("which", ["empty", "single", "all", "unsorted", "none"])
+@pytest.mark.parametrize("n_threads", [1, 2])
+def test_sparse_axpy(qtype, which, n_threads, threads):
+    torch.set_num_threads(n_threads)
+    w = random_rows(qtype, N_ROWS, _cols(qtype), seed=3)
+    idx = index_sets(N_ROWS)[which]
+    m = N_ROWS if idx is None else idx.numel()
+    h = torch.randn(2, m)
+    if m > 2:
+        h[0, ::2] = 0  # inactive neurons
+    y = kernels.sparse_axpy(w, qtype, h, idx)
+    torch.testing.assert_close(y, kernels.sparse_axpy_reference(w, qtype, h, idx), rtol=1e-5, atol=1e-5)
+
+
+VARIANTS = [("silu", True, False), ("relu", True, False), ("relu", True, True), ("gelu", True, False),
+            ("relu", False, False)]
+
+
+@pytest.mark.parametrize("activation,gated,act_on_up", VARIANTS)
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.F16])
+@pytest.mark.parametrize("which", ["single", "all", "unsorted", "none"])
+def test_sparse_ffn(activation, gated, act_on_up, qtype, which):
+    d, n_ff = 64, N_ROWS
+    up, gate = random_rows(qtype, n_ff, d, seed=1), random_rows(qtype, n_ff, d, seed=2) if gated else None
+    down_t = random_rows(qtype, n_ff, d, seed=3)
+    bias = None if gated else torch.randn(n_ff) * 0.1
+    idx = index_sets(n_ff)[which]
+    x = torch.randn(2, d)
+    args = (x, up, qtype, gate, qtype, down_t, qtype, idx, bias, activation, act_on_up)
+    y, h = kernels.sparse_ffn(*args)
+    y_ref, h_ref = kernels.sparse_ffn_reference(*args)
+    # the row-dots see two-plane 8-bit activations (~1e-4 of the scale); SiLU's tail amplifies that
+    torch.testing.assert_close(h, h_ref, rtol=5e-3, atol=1e-4 * max(1.0, h_ref.abs().max().item()))
+    torch.testing.assert_close(y, y_ref, rtol=5e-3, atol=1e-3 * max(1.0, y_ref.abs().max().item()))
+
+
+def test_sparse_ffn_with_all_neurons_equals_dense_ffn():
+    from hybridsparse.runtime.layers import FFN_VARIANTS, FFNWeights, ffn
+    from hybridsparse.runtime.weights import QWeight
+    d, n_ff = 64, 96
+    up, gate, down_t = (random_rows(Q.Q8_0, n_ff, d, seed=s) for s in (4, 5, 6))
+    x = torch.randn(3, d)
+    dense = ffn(x, FFNWeights(up=QWeight(up, Q.Q8_0, d), gate=QWeight(gate, Q.Q8_0, d),
+                              down=QWeight(down_t, Q.Q8_0, d), down_transposed=True), FFN_VARIANTS["relu"])
+    y, _ = kernels.sparse_ffn(x, up, Q.Q8_0, gate, Q.Q8_0, down_t, Q.Q8_0, torch.arange(n_ff, dtype=torch.int32))
+    torch.testing.assert_close(y, dense, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("bad,match", [
+    (torch.tensor([0, 67], dtype=torch.int32), "outside the 67 rows"),
+    (torch.tensor([-1], dtype=torch.int32), "outside the 67 rows"),
+    (torch.tensor([1, 2]), "int32"),
+])
+def test_bad_index_sets(bad, match):
+    w = random_rows(Q.Q8_0, N_ROWS, 64)
+    with pytest.raises(ValueError, match=match):
+        kernels.sparse_rowdot(w, Q.Q8_0, torch.randn(1, 64), bad)
+    with pytest.raises(ValueError, match=match):
+        kernels.sparse_axpy(w, Q.Q8_0, torch.randn(1, bad.numel()), bad)
