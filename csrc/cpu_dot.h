@@ -383,6 +383,59 @@ HS_AVX2 static inline void axpy_f32_avx2(float s, const float* x, float* y, int6
   for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(sv, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
   for (; i < n; ++i) y[i] += s * x[i];
 }
+// y[0..n) += s * row, the row in its stored format, for the sparse axpy (no row buffer)
+HS_AVX2 static inline void axpy_f16_avx2(float s, const void* row, float* y, int64_t n) {
+  const uint16_t* w = static_cast<const uint16_t*>(row);
+  const __m256 sv = _mm256_set1_ps(s);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + i)));
+    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(sv, v, _mm256_loadu_ps(y + i)));
+  }
+  for (; i < n; ++i) y[i] += s * _cvtsh_ss(w[i]);
+}
+
+HS_AVX2 static inline void axpy_bf16_avx2(float s, const void* row, float* y, int64_t n) {
+  const uint16_t* w = static_cast<const uint16_t*>(row);
+  const __m256 sv = _mm256_set1_ps(s);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(sv, bf16x8(w + i), _mm256_loadu_ps(y + i)));
+  for (; i < n; ++i) {
+    uint32_t bits = static_cast<uint32_t>(w[i]) << 16; float f; std::memcpy(&f, &bits, 4);
+    y[i] += s * f;
+  }
+}
+
+// 32 signed int8 values times a scale added into y[0..32)
+HS_AVX2 static inline void axpy_i8x32_avx2(float s, __m256i q, float* y) {
+  const __m256 sv = _mm256_set1_ps(s);
+  const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+  const __m256 v[4] = {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)),
+                       _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8))),
+                       _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)),
+                       _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)))};
+  for (int j = 0; j < 4; ++j) _mm256_storeu_ps(y + 8 * j, _mm256_fmadd_ps(sv, v[j], _mm256_loadu_ps(y + 8 * j)));
+}
+
+HS_AVX2 static inline void axpy_q8_0_avx2(float s, const void* row, float* y, int64_t n) {
+  const BlockQ8_0* w = static_cast<const BlockQ8_0*>(row);
+  for (int64_t b = 0; b < n / QK; ++b)
+    axpy_i8x32_avx2(s * _cvtsh_ss(w[b].d), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[b].qs)), y + b * QK);
+}
+
+HS_AVX2 static inline void axpy_q4_0_avx2(float s, const void* row, float* y, int64_t n) {
+  const BlockQ4_0* w = static_cast<const BlockQ4_0*>(row);
+  for (int64_t b = 0; b < n / QK; ++b)
+    axpy_i8x32_avx2(s * _cvtsh_ss(w[b].d), _mm256_sub_epi8(nibbles_32(w[b].qs), _mm256_set1_epi8(8)), y + b * QK);
+}
+
+HS_AVX2 static inline void axpy_q5_0_avx2(float s, const void* row, float* y, int64_t n) {
+  const BlockQ5_0* w = static_cast<const BlockQ5_0*>(row);
+  for (int64_t b = 0; b < n / QK; ++b) {
+    const __m256i hi = _mm256_andnot_si256(bytes_from_bits_32(w[b].qh), _mm256_set1_epi8(static_cast<char>(0xF0)));
+    axpy_i8x32_avx2(s * _cvtsh_ss(w[b].d), _mm256_or_si256(nibbles_32(w[b].qs), hi), y + b * QK);
+  }
+}
 #endif  // HS_X86
 
 inline bool cpu_has_avx2() {

@@ -253,8 +253,21 @@ at::Tensor sparse_axpy_cpu(const at::Tensor& w, int64_t qtype, const at::Tensor&
   const float* hp = h.data_ptr<float>();
   const int n_threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), M));
   std::vector<float> partial(static_cast<size_t>(n_threads) * T * K, 0.f);
+  using AxpyRow = void (*)(float, const void*, float*, int64_t);
+  AxpyRow direct = nullptr;  // y += s * row straight from the stored format (AVX2), else via a row buffer
+#ifdef HS_X86
+  if (cpu_has_avx2()) {
+    switch (qtype) {
+      case F16: direct = axpy_f16_avx2; break;
+      case BF16: direct = axpy_bf16_avx2; break;
+      case Q8_0: direct = axpy_q8_0_avx2; break;
+      case Q4_0: direct = axpy_q4_0_avx2; break;
+      case Q5_0: direct = axpy_q5_0_avx2; break;
+    }
+  }
+#endif
   at::parallel_for(0, n_threads, 1, [&](int64_t tb, int64_t te) {
-    std::vector<float> row(K);
+    std::vector<float> row(direct ? 0 : K);
     for (int64_t tid = tb; tid < te; ++tid) {
       float* acc = partial.data() + tid * T * K;
       const int64_t r0 = M * tid / n_threads, r1 = M * (tid + 1) / n_threads;
@@ -262,10 +275,17 @@ at::Tensor sparse_axpy_cpu(const at::Tensor& w, int64_t qtype, const at::Tensor&
         bool any = false;
         for (int64_t t = 0; t < T && !any; ++t) any = hp[t * M + k] != 0.f;
         if (!any) continue;  // an inactive neuron costs nothing
-        dequant_row(wp + (ip ? ip[k] : k) * row_bytes, qtype, K, row.data());
+        const uint8_t* src = wp + (ip ? ip[k] : k) * row_bytes;
+        if (k + 1 < r1) {  // the next row is elsewhere in memory when rows are listed
+          const char* next = reinterpret_cast<const char*>(wp + (ip ? ip[k + 1] : k + 1) * row_bytes);
+          for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(next + off, 0, 0);
+        }
+        if (!direct) dequant_row(src, qtype, K, row.data());
         for (int64_t t = 0; t < T; ++t) {
           const float s = hp[t * M + k];
-          if (s != 0.f) axpy_f32(s, row.data(), acc + t * K, K);
+          if (s == 0.f) continue;
+          if (direct) direct(s, src, acc + t * K, K);
+          else axpy_f32(s, row.data(), acc + t * K, K);
         }
       }
     }

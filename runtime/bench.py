@@ -2,6 +2,7 @@
 
   hs-bench run   [-m MODEL] [-t N] [-ngl N] [--reps 3] [--llama-cpp]   decode/prefill tokens/s
   hs-bench synth --shape llama-7b --dtype f16 -o DIR                    a random model of a real shape
+  hs-bench kernels [-t N] [--shapes ...] [--types ...] --json OUT         sparse CPU ops, GiB/s by density
   hs-bench table FILE.json ...                                          the README's markdown table
 """
 
@@ -282,6 +283,76 @@ def _table(args) -> int:
     return 0
 
 
+KERNEL_SHAPES = {  # name: (d_model, n_ff): FFN rows of real models
+    "llama-2-7b": (4096, 11008), "llama-2-13b": (5120, 13824), "llama-2-70b": (8192, 28672),
+    "falcon-40b": (8192, 32768),
+}
+
+
+def _random_weight(qtype, rows: int, cols: int) -> torch.Tensor:
+    """Random valid data of a GGML type (values do not matter for speed; scales are kept finite)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
+    if qtype in (Q.F16, Q.BF16):
+        return (torch.randn(rows, cols) * 0.02).to(torch.float16 if qtype == Q.F16 else torch.bfloat16)
+    block, size = GGML_QUANT_SIZES[qtype]
+    raw = torch.randint(0, 256, (rows, cols // block, size), dtype=torch.uint8)
+    raw[:, :, 0:2] = torch.tensor([0x00, 0x20], dtype=torch.uint8)  # float16 scale 0.0078
+    return raw.reshape(rows, -1)
+
+
+def _time(f, reps: int) -> float:
+    f()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        f()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def _kernels(args) -> int:
+    """Effective GiB/s of the sparse CPU ops on the bytes they must read, at several densities, next
+    to the machine's read bandwidth and torch (dense GEMV; gather + GEMV)."""
+    from gguf import GGMLQuantizationType as Q
+    from . import kernels
+    torch.set_num_threads(args.threads)
+    bw = measure_bandwidth_gib_s("cpu")
+    rows_out, densities = [], [float(d) for d in args.densities.split(",")]
+    for shape in args.shapes.split(","):
+        d_model, n_ff = KERNEL_SHAPES[shape]
+        for tname in args.types.split(","):
+            qtype = Q[tname]
+            w = _random_weight(qtype, n_ff, d_model)
+            row_bytes = w.shape[1] * w.element_size()
+            x = torch.randn(1, d_model)
+            wf = w.float() if qtype in (Q.F16, Q.BF16) else None
+            dense_torch = _time(lambda: torch.nn.functional.linear(x, wf), args.reps) if wf is not None else None
+            for dens in densities:
+                m = max(1, int(n_ff * dens))
+                idx = torch.randperm(n_ff)[:m].sort().values.int()
+                h = torch.randn(1, m)
+                t_dot = _time(lambda: kernels.sparse_rowdot(w, qtype, x, idx), args.reps)
+                t_axpy = _time(lambda: kernels.sparse_axpy(w, qtype, h, idx), args.reps)
+                entry = {"shape": shape, "type": tname, "density": dens, "rows": m,
+                         "rowdot_gib_s": m * row_bytes / t_dot / 2**30, "axpy_gib_s": m * row_bytes / t_axpy / 2**30}
+                if wf is not None:
+                    t_gather = _time(lambda: torch.nn.functional.linear(x, wf[idx.long()]), args.reps)
+                    entry["torch_gather_gemv_gib_s"] = m * row_bytes / t_gather / 2**30
+                    entry["torch_dense_fp32_gemv_ms"] = dense_torch * 1e3
+                rows_out.append(entry)
+                print(f"{shape:12s} {tname:5s} {dens:5.0%} rowdot {entry['rowdot_gib_s']:7.1f} GiB/s  "
+                      f"axpy {entry['axpy_gib_s']:7.1f} GiB/s"
+                      + (f"  torch gather+GEMV {entry['torch_gather_gemv_gib_s']:7.1f}" if wf is not None else ""),
+                      flush=True)
+    result = {"machine": {**machine(), "cpu_read_bandwidth_gib_s": round(bw, 1)}, "threads": args.threads,
+              "results": rows_out}
+    print(f"read bandwidth {bw:.1f} GiB/s with {args.threads} threads")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="hs-bench", description="Benchmarks (JSON out); see README.")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -295,6 +366,15 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--compare-graphs", action="store_true", help="also run without CUDA graphs")
     run.add_argument("--json", help="write the results here")
     run.set_defaults(func=_run)
+    kern = sub.add_parser("kernels", help="sparse CPU ops: effective GiB/s at several densities")
+    kern.add_argument("-t", "--threads", type=int, default=default_threads())
+    kern.add_argument("--shapes", default="llama-2-7b,llama-2-13b,llama-2-70b,falcon-40b")
+    kern.add_argument("--types", default="F16,Q8_0,Q4_0")
+    kern.add_argument("--densities", default="1.0,0.25,0.1,0.03")
+    kern.add_argument("--reps", type=int, default=5)
+    kern.add_argument("--json")
+    kern.add_argument("--verbose", action="store_true")
+    kern.set_defaults(func=_kernels)
     table = sub.add_parser("table", help="print a markdown table of `run` JSON files")
     table.add_argument("files", nargs="+")
     table.add_argument("--verbose", action="store_true")
