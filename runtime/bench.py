@@ -268,8 +268,12 @@ def _table(args) -> int:
     print("| model | machine | engine | threads | -ngl | prefill tok/s | decode tok/s | decode vs llama.cpp | "
           "of bandwidth bound |")
     print("|---|---|---|---|---|---|---|---|---|")
+    kernel_files = []
     for path in args.files:
         d = json.loads(Path(path).read_text())
+        if "prompt_tokens" not in d:  # an `hs-bench kernels` file: its own table below
+            kernel_files.append(d)
+            continue
         m = d["machine"]
         where = f"{m['gpu']} + {m['cpu']}" if "gpu" in m and any(r.get("n_gpu_layers", 0) != 0 for r in d["results"]) else m["cpu"]
         for r in d["results"]:
@@ -280,6 +284,16 @@ def _table(args) -> int:
             print(f"| {Path(r.get('model', d['results'][0].get('model', '?'))).name} | {where} | {label} | "
                   f"{r['threads']} | {r['n_gpu_layers']} | {r['prefill_tok_s']:.1f} | {r['decode_tok_s']:.1f} | "
                   f"{ratio} | {frac} |")
+    for d in kernel_files:
+        bw = d["machine"]["cpu_read_bandwidth_gib_s"]
+        print(f"\nSparse CPU ops on {d['machine']['cpu']}, {d['threads']} threads, read bandwidth {bw} GiB/s "
+              "(GiB/s on the bytes of the rows each op must read):\n")
+        print("| FFN rows | type | density | row-dot GiB/s | axpy GiB/s | torch gather+GEMV GiB/s |")
+        print("|---|---|---|---|---|---|")
+        for r in d["results"]:
+            torch_g = f"{r['torch_gather_gemv_gib_s']:.1f}" if "torch_gather_gemv_gib_s" in r else ""
+            print(f"| {r['shape']} | {r['type']} | {r['density']:.0%} | {r['rowdot_gib_s']:.1f} | "
+                  f"{r['axpy_gib_s']:.1f} | {torch_g} |")
     return 0
 
 
