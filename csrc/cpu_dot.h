@@ -2,6 +2,8 @@
 // versions and AVX2+FMA+F16C versions, chosen once at run time by CPUID.
 #pragma once
 #include <cmath>
+#include <cstdlib>
+#include <string>
 
 #include "quant_blocks.h"
 
@@ -60,44 +62,30 @@ inline void k_scale_min(const uint8_t* s, int j, int& sc, int& m) {
   else { sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4); m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4); }
 }
 
-inline float dot_q4_0_ref(const void* row, const ActQ8* a, int64_t nb) {
-  const BlockQ4_0* w = static_cast<const BlockQ4_0*>(row);
+// element i (0..31) of a 32-element block, as a signed integer
+inline int q4_0_at(const BlockQ4_0& w, int i) { return (i < 16 ? (w.qs[i] & 0xF) : (w.qs[i - 16] >> 4)) - 8; }
+inline int q5_0_at(const BlockQ5_0& w, int i) {
+  uint32_t qh; std::memcpy(&qh, w.qh, 4);
+  const int low = i < 16 ? (w.qs[i] & 0xF) : (w.qs[i - 16] >> 4);
+  return (low | static_cast<int>(((qh >> i) & 1) << 4)) - 16;
+}
+inline int q8_0_at(const BlockQ8_0& w, int i) { return w.qs[i]; }
+
+template <typename Block, int (*At)(const Block&, int)>
+inline float dot_32_ref(const void* row, const ActQ8* a, int64_t nb) {
+  const Block* w = static_cast<const Block*>(row);
   float acc = 0.f;
   for (int64_t b = 0; b < nb; ++b) {
     int32_t s = 0;
-    for (int i = 0; i < 16; ++i)
-      s += ((w[b].qs[i] & 0xF) - 8) * act_q(a[b], i) + ((w[b].qs[i] >> 4) - 8) * act_q(a[b], i + 16);
+    for (int i = 0; i < QK; ++i) s += At(w[b], i) * act_q(a[b], i);
     acc += fp16_to_float(w[b].d) * a[b].d * s;
   }
   return acc;
 }
 
-inline float dot_q5_0_ref(const void* row, const ActQ8* a, int64_t nb) {
-  const BlockQ5_0* w = static_cast<const BlockQ5_0*>(row);
-  float acc = 0.f;
-  for (int64_t b = 0; b < nb; ++b) {
-    uint32_t qh; std::memcpy(&qh, w[b].qh, 4);
-    int32_t s = 0;
-    for (int i = 0; i < 16; ++i) {
-      const int lo = static_cast<int>((w[b].qs[i] & 0xF) | (((qh >> i) & 1) << 4)) - 16;
-      const int hi = static_cast<int>((w[b].qs[i] >> 4) | (((qh >> (i + 16)) & 1) << 4)) - 16;
-      s += lo * act_q(a[b], i) + hi * act_q(a[b], i + 16);
-    }
-    acc += fp16_to_float(w[b].d) * a[b].d * s;
-  }
-  return acc;
-}
-
-inline float dot_q8_0_ref(const void* row, const ActQ8* a, int64_t nb) {
-  const BlockQ8_0* w = static_cast<const BlockQ8_0*>(row);
-  float acc = 0.f;
-  for (int64_t b = 0; b < nb; ++b) {
-    int32_t s = 0;
-    for (int i = 0; i < QK; ++i) s += w[b].qs[i] * act_q(a[b], i);
-    acc += fp16_to_float(w[b].d) * a[b].d * s;
-  }
-  return acc;
-}
+inline float dot_q4_0_ref(const void* row, const ActQ8* a, int64_t nb) { return dot_32_ref<BlockQ4_0, q4_0_at>(row, a, nb); }
+inline float dot_q5_0_ref(const void* row, const ActQ8* a, int64_t nb) { return dot_32_ref<BlockQ5_0, q5_0_at>(row, a, nb); }
+inline float dot_q8_0_ref(const void* row, const ActQ8* a, int64_t nb) { return dot_32_ref<BlockQ8_0, q8_0_at>(row, a, nb); }
 
 template <bool FIVE_BIT>
 inline float dot_q45_k_ref(const void* row, const ActQ8K* a, int64_t nb) {
@@ -441,6 +429,8 @@ HS_AVX2 static inline void axpy_q5_0_avx2(float s, const void* row, float* y, in
 inline bool cpu_has_avx2() {
 #ifdef HS_X86
   static const bool ok = [] {
+    const char* forced = std::getenv("HS_CPU_PATH");  // "scalar": test the portable fallback
+    if (forced && std::string(forced) == "scalar") return false;
     __builtin_cpu_init();  // libgcc's CPU model may not be initialised yet inside a dlopen'ed library
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
   }();

@@ -236,9 +236,9 @@ def _synth(args) -> int:
         w.add_uint32(f"llama.{key}", value)
     w.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
     w.add_string("hybridsparse.ffn_activation", "relu")
-    from .convert import _add, byte_level_vocab
+    from .convert import add_metadata, byte_level_vocab
     for key, value in byte_level_vocab(vocab).items():
-        _add(w, key, value)
+        add_metadata(w, key, value)
     tensors = [("token_embd.weight", vocab, d), ("output.weight", vocab, d)]
     for i in range(layers):
         tensors += [(f"blk.{i}.attn_q.weight", d, d), (f"blk.{i}.attn_k.weight", kv * hd, d),

@@ -239,7 +239,7 @@ def write_gguf(path: str | os.PathLike, cfg, tensors: Iterable[tuple[str, torch.
     writer = gguf.GGUFWriter(str(tmp), arch)
     for key, value in {**meta_fn(cfg), **(extra_metadata or {})}.items():
         full = key if key.startswith(("hybridsparse.", "powerinfer.", "general.", "tokenizer.")) else f"{arch}.{key}"
-        _add(writer, full, value)
+        add_metadata(writer, full, value)
     np_dtype = {"f32": np.float32, "f16": np.float16}[dtype]
     for name, t in gguf_tensors(cfg, tensors):
         arr = t.detach().float().cpu().numpy()
@@ -270,7 +270,10 @@ def byte_level_vocab(n_vocab: int = 259) -> dict:
             "tokenizer.ggml.add_bos_token": True}
 
 
-def _add(writer: gguf.GGUFWriter, key: str, value) -> None:
+def add_metadata(writer: gguf.GGUFWriter, key: str, value) -> None:
+    """One metadata entry, its GGUF type chosen from the Python value (ints as u32)."""
+    if isinstance(value, np.ndarray):
+        value = value.tolist()
     if isinstance(value, bool):
         writer.add_bool(key, value)
     elif isinstance(value, int):

@@ -13,6 +13,7 @@ import gguf
 import numpy as np
 import pytest
 
+from hybridsparse.runtime.convert import add_metadata
 from hybridsparse.runtime.errors import GGUFError, ModelError
 from hybridsparse.runtime.gguf_file import GGUFFile
 from hybridsparse.runtime.models import load_model
@@ -95,19 +96,7 @@ def _rewrite(src, dst, drop=(), arch=None, reshape=None, extra=None):
     for key, value in g.metadata.items():
         if key.startswith("GGUF.") or key == "general.architecture":
             continue
-        key = key.replace(g.architecture + ".", (arch or g.architecture) + ".", 1)
-        if isinstance(value, np.ndarray):
-            w.add_array(key, value.tolist())
-        elif isinstance(value, list):
-            w.add_array(key, value)
-        elif isinstance(value, bool):
-            w.add_bool(key, value)
-        elif isinstance(value, int):
-            w.add_uint32(key, value)
-        elif isinstance(value, float):
-            w.add_float32(key, value)
-        else:
-            w.add_string(key, value)
+        add_metadata(w, key.replace(g.architecture + ".", (arch or g.architecture) + ".", 1), value)
     for name, info in g.tensors.items():
         if name in drop:
             continue

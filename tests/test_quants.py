@@ -137,3 +137,42 @@ def test_invalid_arguments_raise(bad):
         return  # the C++ checks below raise here, but crashed the process on the GPU machine
     with pytest.raises(RuntimeError, match="qmatmul"):
         kernels.ops().qmatmul(w, qtype, x)
+
+
+SCALAR_CHECK = """
+import torch, sys
+sys.path.insert(0, 'tests')
+from gguf import GGMLQuantizationType as Q
+from hybridsparse.runtime import kernels
+from hybridsparse.runtime.quants import dequantize
+from quant_utils import quantize_activations, random_rows
+kernels.ops()
+assert kernels.cpu.cpu_path() == 'scalar'
+worst = 0.0
+for qtype in [Q.Q4_0, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.F16, Q.BF16]:
+    block = 32 if qtype in (Q.F16, Q.BF16) else __import__('gguf').GGML_QUANT_SIZES[qtype][0]
+    w = random_rows(qtype, 19, block * 3 if block > 1 else 96, seed=5)
+    K = dequantize(w[:1], qtype).shape[1]
+    x = torch.randn(2, K)
+    xq = x.double() if qtype in (Q.F16, Q.BF16) else quantize_activations(x, block)
+    ref = xq @ dequantize(w, qtype).double().T
+    y = kernels.cpu.qmatmul(w.contiguous(), int(qtype), x)
+    worst = max(worst, ((y.double() - ref).abs().max() / ref.abs().max()).item())
+    if qtype in (Q.Q4_0, Q.Q5_0, Q.Q8_0, Q.F16, Q.BF16):
+        h = torch.randn(2, 19)
+        yt = kernels.cpu.qmatmul_t(w.contiguous(), int(qtype), h)
+        worst = max(worst, ((yt - kernels.matmul_t_reference(h, w, qtype)).abs().max() / yt.abs().max()).item())
+print(worst)
+"""
+
+
+@needs_kernels
+def test_scalar_fallback_matches_twin():
+    """The portable path (machines without AVX2) computes the same as the vectorised one."""
+    import os
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-c", SCALAR_CHECK], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "HS_CPU_PATH": "scalar"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert float(r.stdout.strip().splitlines()[-1]) < 1e-5
