@@ -228,6 +228,37 @@ HS_AVX2 static inline float dot_q5_0_avx2(const void* row, const ActQ8* a, int64
   return hsum(acc) - corr;
 }
 
+// NT tokens at once (prefill): each weight block is unpacked once for all of them. a[t * stride + b]
+// is block b of token t; out[t] receives the dot products.
+template <int64_t QT, int NT>
+HS_AVX2 static inline void dot_q45_0_tokens_avx2(const void* row, const ActQ8* a, int64_t nb, int64_t stride,
+                                                 float* out) {
+  __m256 acc[NT];
+  float corr[NT];
+  for (int t = 0; t < NT; ++t) { acc[t] = _mm256_setzero_ps(); corr[t] = 0.f; }
+  constexpr float offset = QT == Q4_0 ? 8.f : 16.f;
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256i qu;
+    float dw;
+    if constexpr (QT == Q4_0) {
+      const BlockQ4_0& w = static_cast<const BlockQ4_0*>(row)[b];
+      qu = nibbles_32(w.qs);
+      dw = _cvtsh_ss(w.d);
+    } else {
+      const BlockQ5_0& w = static_cast<const BlockQ5_0*>(row)[b];
+      qu = _mm256_or_si256(nibbles_32(w.qs), _mm256_and_si256(bytes_from_bits_32(w.qh), _mm256_set1_epi8(0x10)));
+      dw = _cvtsh_ss(w.d);
+    }
+    for (int t = 0; t < NT; ++t) {
+      const ActQ8& at = a[t * stride + b];
+      const float s = dw * at.d;
+      acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(s), _mm256_cvtepi32_ps(block_dot2_unsigned(qu, at)), acc[t]);
+      corr[t] += s * offset * static_cast<float>(at.sum);
+    }
+  }
+  for (int t = 0; t < NT; ++t) out[t] = hsum(acc[t]) - corr[t];
+}
+
 HS_AVX2 static inline float dot_q8_0_avx2(const void* row, const ActQ8* a, int64_t nb) {
   const BlockQ8_0* w = static_cast<const BlockQ8_0*>(row);
   __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();

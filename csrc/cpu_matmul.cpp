@@ -113,6 +113,9 @@ int64_t check_rows(const c10::optional<at::Tensor>& idx, int64_t N, const char* 
 
 }  // namespace
 
+using DotTokens = void (*)(const void*, const ActQ8*, int64_t, int64_t, float*);
+DotTokens pick_tokens(int64_t qtype, int nt);
+
 // y_i[t, k] = W_i[row_i(k)] . x[t] for several weights in one parallel region, row_i(k) = idx_i[k]
 // (the sparse row-dot) or k (dense). One fork/join for q/k/v or gate/up, activations quantized once
 // per block format, and only the listed rows read.
@@ -179,7 +182,17 @@ std::vector<at::Tensor> qmatmul_rows_cpu(const std::vector<at::Tensor>& ws, cons
             for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(next + off, 0, 3);
         }
         const uint8_t* row = wp + n * row_bytes;
-        for (int64_t t = 0; t < T; ++t) {
+        int64_t t = 0;
+        if (T > 1 && dot_32) {  // prefill: tiles of tokens share each unpacked weight block
+          for (float tile[4]; t < T; t += 4) {
+            const int nt = static_cast<int>(std::min<int64_t>(4, T - t));
+            const DotTokens multi = pick_tokens(qtype, nt);
+            if (!multi) break;
+            multi(row, act32.data() + t * nb, nb, nb, tile);
+            for (int j = 0; j < nt; ++j) yp[(t + j) * M + k] = tile[j];
+          }
+        }
+        for (; t < T; ++t) {
           float v;
           if (is_float) v = dot_f(row, xp + t * K, K);
           else if (dot_32) v = dot_32(row, act32.data() + t * nb, nb);
@@ -201,6 +214,23 @@ std::vector<at::Tensor> qmatmul_multi_cpu(const std::vector<at::Tensor>& ws, con
 
 at::Tensor qmatmul_cpu(const at::Tensor& w, int64_t qtype, const at::Tensor& x) {
   return qmatmul_multi_cpu({w}, {qtype}, x)[0];
+}
+
+// Several tokens against one row at once, for the formats that have such a kernel (else nullptr).
+constexpr int TOKEN_TILE = 4;
+
+DotTokens pick_tokens(int64_t qtype, int nt) {
+#ifdef HS_X86
+  if (!cpu_has_avx2()) return nullptr;
+  static const DotTokens q4[TOKEN_TILE] = {dot_q45_0_tokens_avx2<Q4_0, 1>, dot_q45_0_tokens_avx2<Q4_0, 2>,
+                                           dot_q45_0_tokens_avx2<Q4_0, 3>, dot_q45_0_tokens_avx2<Q4_0, 4>};
+  static const DotTokens q5[TOKEN_TILE] = {dot_q45_0_tokens_avx2<Q5_0, 1>, dot_q45_0_tokens_avx2<Q5_0, 2>,
+                                           dot_q45_0_tokens_avx2<Q5_0, 3>, dot_q45_0_tokens_avx2<Q5_0, 4>};
+  if (qtype == Q4_0) return q4[nt - 1];
+  if (qtype == Q5_0) return q5[nt - 1];
+#endif
+  (void)qtype; (void)nt;
+  return nullptr;
 }
 
 // Which CPU code path the dot products take on this machine ("avx2" or "scalar").
