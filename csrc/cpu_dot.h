@@ -87,19 +87,25 @@ inline float dot_q4_0_ref(const void* row, const ActQ8* a, int64_t nb) { return 
 inline float dot_q5_0_ref(const void* row, const ActQ8* a, int64_t nb) { return dot_32_ref<BlockQ5_0, q5_0_at>(row, a, nb); }
 inline float dot_q8_0_ref(const void* row, const ActQ8* a, int64_t nb) { return dot_32_ref<BlockQ8_0, q8_0_at>(row, a, nb); }
 
+// The fields of super-block b of a Q4_K (FIVE_BIT false) or Q5_K row; qh is null for Q4_K.
+struct KBlock { const uint8_t* scales; const uint8_t* qs; const uint8_t* qh; uint16_t d; uint16_t dmin; };
+
+template <bool FIVE_BIT>
+inline KBlock k_block(const void* row, int64_t b) {
+  if constexpr (FIVE_BIT) {
+    const BlockQ5_K& w = static_cast<const BlockQ5_K*>(row)[b];
+    return {w.scales, w.qs, w.qh, w.d, w.dmin};
+  } else {
+    const BlockQ4_K& w = static_cast<const BlockQ4_K*>(row)[b];
+    return {w.scales, w.qs, nullptr, w.d, w.dmin};
+  }
+}
+
 template <bool FIVE_BIT>
 inline float dot_q45_k_ref(const void* row, const ActQ8K* a, int64_t nb) {
   float acc = 0.f;
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t *scales, *qs, *qh = nullptr;
-    uint16_t d16, dmin16;
-    if constexpr (FIVE_BIT) {
-      const BlockQ5_K* w = static_cast<const BlockQ5_K*>(row) + b;
-      scales = w->scales; qs = w->qs; qh = w->qh; d16 = w->d; dmin16 = w->dmin;
-    } else {
-      const BlockQ4_K* w = static_cast<const BlockQ4_K*>(row) + b;
-      scales = w->scales; qs = w->qs; d16 = w->d; dmin16 = w->dmin;
-    }
+    const auto [scales, qs, qh, d16, dmin16] = k_block<FIVE_BIT>(row, b);
     int64_t sum_q = 0, sum_m = 0;
     for (int j = 0; j < 8; ++j) {
       int sc, m; k_scale_min(scales, j, sc, m);
@@ -273,8 +279,8 @@ HS_AVX2 static inline float dot_q8_0_avx2(const void* row, const ActQ8* a, int64
   return hsum(_mm256_add_ps(acc0, acc1));
 }
 
-// unsigned weights (0..63) x signed activations, 32 lanes, times a per-16 scale pair -> 8 int32
-// both activation planes at element offset `off`, combined in int32 (plane 0 weighs PLANE_SHIFT)
+// unsigned weights (0..63) x both activation planes at element offset `off`, times a per-16 scale
+// pair, combined in int32 (plane 0 weighs PLANE_SHIFT) -> 8 int32
 template <typename A>
 HS_AVX2 static inline __m256i dot_u8_scaled(__m256i q, const A& a, int off, int16_t s_lo, int16_t s_hi) {
   const __m256i p0 = _mm256_maddubs_epi16(q, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.qs[0] + off)));
@@ -289,17 +295,7 @@ HS_AVX2 static inline float dot_q45_k_avx2(const void* row, const ActQ8K* a, int
   float acc = 0.f;
   const __m256i m4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* scales;
-    const uint8_t* qs;
-    const uint8_t* qh = nullptr;
-    uint16_t d16, dmin16;
-    if constexpr (FIVE_BIT) {
-      const BlockQ5_K* w = static_cast<const BlockQ5_K*>(row) + b;
-      scales = w->scales; qs = w->qs; qh = w->qh; d16 = w->d; dmin16 = w->dmin;
-    } else {
-      const BlockQ4_K* w = static_cast<const BlockQ4_K*>(row) + b;
-      scales = w->scales; qs = w->qs; d16 = w->d; dmin16 = w->dmin;
-    }
+    const auto [scales, qs, qh, d16, dmin16] = k_block<FIVE_BIT>(row, b);
     int sc[8], m[8];
     for (int j = 0; j < 8; ++j) k_scale_min(scales, j, sc[j], m[j]);
     __m256 sumf = _mm256_setzero_ps();  // float: a super-block's int32 sum can overflow
@@ -351,49 +347,55 @@ HS_AVX2 static inline float dot_q6_k_avx2(const void* row, const ActQ8K* a, int6
   return acc;
 }
 
-HS_AVX2 static inline float dot_f16_avx2(const void* row, const float* x, int64_t n) {
-  const uint16_t* w = static_cast<const uint16_t*>(row);
-  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    a0 = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + i))), _mm256_loadu_ps(x + i), a0);
-    a1 = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + i + 8))), _mm256_loadu_ps(x + i + 8), a1);
-  }
-  float acc = hsum(_mm256_add_ps(a0, a1));
-  for (; i < n; ++i) acc += _cvtsh_ss(w[i]) * x[i];
-  return acc;
-}
 
 HS_AVX2 static inline __m256 bf16x8(const uint16_t* p) {
   const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
 }
 
-HS_AVX2 static inline float dot_bf16_avx2(const void* row, const float* x, int64_t n) {
-  const uint16_t* w = static_cast<const uint16_t*>(row);
+
+// Rows of float16 / bfloat16 / float32 values, 8 at a time as float32 (functors, not lambdas: GCC
+// does not give lambdas the AVX2 target of the function they are written in).
+struct F16Row {
+  const uint16_t* w;
+  HS_AVX2 __m256 operator()(int64_t i) const { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + i))); }
+  HS_AVX2 float at(int64_t i) const { return _cvtsh_ss(w[i]); }
+};
+struct BF16Row {
+  const uint16_t* w;
+  HS_AVX2 __m256 operator()(int64_t i) const { return bf16x8(w + i); }
+  float at(int64_t i) const {
+    uint32_t bits = static_cast<uint32_t>(w[i]) << 16; float f; std::memcpy(&f, &bits, 4);
+    return f;
+  }
+};
+struct F32Row {
+  const float* w;
+  HS_AVX2 __m256 operator()(int64_t i) const { return _mm256_loadu_ps(w + i); }
+  float at(int64_t i) const { return w[i]; }
+};
+
+template <typename Row>
+HS_AVX2 static inline float dot_floats_avx2(Row row, const float* x, int64_t n) {
   __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
-    a0 = _mm256_fmadd_ps(bf16x8(w + i), _mm256_loadu_ps(x + i), a0);
-    a1 = _mm256_fmadd_ps(bf16x8(w + i + 8), _mm256_loadu_ps(x + i + 8), a1);
+    a0 = _mm256_fmadd_ps(row(i), _mm256_loadu_ps(x + i), a0);
+    a1 = _mm256_fmadd_ps(row(i + 8), _mm256_loadu_ps(x + i + 8), a1);
   }
   float acc = hsum(_mm256_add_ps(a0, a1));
-  for (; i < n; ++i) {
-    uint32_t bits = static_cast<uint32_t>(w[i]) << 16; float f; std::memcpy(&f, &bits, 4);
-    acc += f * x[i];
-  }
+  for (; i < n; ++i) acc += row.at(i) * x[i];
   return acc;
 }
+
+HS_AVX2 static inline float dot_f16_avx2(const void* row, const float* x, int64_t n) {
+  return dot_floats_avx2(F16Row{static_cast<const uint16_t*>(row)}, x, n);
+}
+HS_AVX2 static inline float dot_bf16_avx2(const void* row, const float* x, int64_t n) {
+  return dot_floats_avx2(BF16Row{static_cast<const uint16_t*>(row)}, x, n);
+}
 HS_AVX2 static inline float dot_f32_avx2(const float* a, const float* b, int64_t n) {
-  __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
-    s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
-  }
-  float acc = hsum(_mm256_add_ps(s0, s1));
-  for (; i < n; ++i) acc += a[i] * b[i];
-  return acc;
+  return dot_floats_avx2(F32Row{a}, b, n);
 }
 
 HS_AVX2 static inline void axpy_f32_avx2(float s, const float* x, float* y, int64_t n) {
