@@ -207,35 +207,9 @@ HS_AVX2 static inline __m256i block_dot2_unsigned(__m256i qu, const ActQ8& a) {
 }
 
 // Q4_0 / Q5_0 keep their weights unsigned (nibble, or nibble | high bit) and subtract the offset
-// times the activation sum once per block: no sign juggling in the inner loop.
-HS_AVX2 static inline float dot_q4_0_avx2(const void* row, const ActQ8* a, int64_t nb) {
-  const BlockQ4_0* w = static_cast<const BlockQ4_0*>(row);
-  __m256 acc = _mm256_setzero_ps();
-  float corr = 0.f;
-  for (int64_t b = 0; b < nb; ++b) {
-    const float s = _cvtsh_ss(w[b].d) * a[b].d;
-    acc = _mm256_fmadd_ps(_mm256_set1_ps(s), _mm256_cvtepi32_ps(block_dot2_unsigned(nibbles_32(w[b].qs), a[b])), acc);
-    corr += s * 8.f * static_cast<float>(a[b].sum);
-  }
-  return hsum(acc) - corr;
-}
-
-HS_AVX2 static inline float dot_q5_0_avx2(const void* row, const ActQ8* a, int64_t nb) {
-  const BlockQ5_0* w = static_cast<const BlockQ5_0*>(row);
-  __m256 acc = _mm256_setzero_ps();
-  float corr = 0.f;
-  const __m256i bit4 = _mm256_set1_epi8(0x10);
-  for (int64_t b = 0; b < nb; ++b) {
-    const __m256i qu = _mm256_or_si256(nibbles_32(w[b].qs), _mm256_and_si256(bytes_from_bits_32(w[b].qh), bit4));
-    const float s = _cvtsh_ss(w[b].d) * a[b].d;
-    acc = _mm256_fmadd_ps(_mm256_set1_ps(s), _mm256_cvtepi32_ps(block_dot2_unsigned(qu, a[b])), acc);
-    corr += s * 16.f * static_cast<float>(a[b].sum);
-  }
-  return hsum(acc) - corr;
-}
-
-// NT tokens at once (prefill): each weight block is unpacked once for all of them. a[t * stride + b]
-// is block b of token t; out[t] receives the dot products.
+// times the activation sum once per block: no sign juggling in the inner loop. NT tokens at once
+// (prefill): each weight block is unpacked once for all of them; a[t * stride + b] is block b of
+// token t, out[t] receives its dot product.
 template <int64_t QT, int NT>
 HS_AVX2 static inline void dot_q45_0_tokens_avx2(const void* row, const ActQ8* a, int64_t nb, int64_t stride,
                                                  float* out) {
@@ -265,6 +239,18 @@ HS_AVX2 static inline void dot_q45_0_tokens_avx2(const void* row, const ActQ8* a
   for (int t = 0; t < NT; ++t) out[t] = hsum(acc[t]) - corr[t];
 }
 
+HS_AVX2 static inline float dot_q4_0_avx2(const void* row, const ActQ8* a, int64_t nb) {
+  float out;
+  dot_q45_0_tokens_avx2<Q4_0, 1>(row, a, nb, nb, &out);
+  return out;
+}
+
+HS_AVX2 static inline float dot_q5_0_avx2(const void* row, const ActQ8* a, int64_t nb) {
+  float out;
+  dot_q45_0_tokens_avx2<Q5_0, 1>(row, a, nb, nb, &out);
+  return out;
+}
+
 HS_AVX2 static inline float dot_q8_0_avx2(const void* row, const ActQ8* a, int64_t nb) {
   const BlockQ8_0* w = static_cast<const BlockQ8_0*>(row);
   __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
@@ -290,15 +276,18 @@ HS_AVX2 static inline __m256i dot_u8_scaled(__m256i q, const A& a, int off, int1
   return _mm256_add_epi32(_mm256_madd_epi16(p0, s0), _mm256_madd_epi16(p1, s1));
 }
 
-template <bool FIVE_BIT>
-HS_AVX2 static inline float dot_q45_k_avx2(const void* row, const ActQ8K* a, int64_t nb) {
-  float acc = 0.f;
+// K-quants, NT tokens at once (see dot_q45_0_tokens_avx2 for a and out).
+template <bool FIVE_BIT, int NT>
+HS_AVX2 static inline void dot_q45_k_tokens_avx2(const void* row, const ActQ8K* a, int64_t nb, int64_t stride,
+                                                 float* out) {
+  float acc[NT] = {};
   const __m256i m4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
   for (int64_t b = 0; b < nb; ++b) {
     const auto [scales, qs, qh, d16, dmin16] = k_block<FIVE_BIT>(row, b);
     int sc[8], m[8];
     for (int j = 0; j < 8; ++j) k_scale_min(scales, j, sc[j], m[j]);
-    __m256 sumf = _mm256_setzero_ps();  // float: a super-block's int32 sum can overflow
+    __m256 sumf[NT];  // float: a super-block's int32 sum can overflow
+    for (int t = 0; t < NT; ++t) sumf[t] = _mm256_setzero_ps();
     const __m256i hbits = FIVE_BIT ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh)) : _mm256_setzero_si256();
     for (int j = 0; j < 4; ++j) {
       const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * j));
@@ -308,24 +297,40 @@ HS_AVX2 static inline float dot_q45_k_avx2(const void* row, const ActQ8K* a, int
         lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hbits, 2 * j), one), 4));
         hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hbits, 2 * j + 1), one), 4));
       }
-      const __m256i both = _mm256_add_epi32(dot_u8_scaled(lo, a[b], 64 * j, sc[2 * j], sc[2 * j]),
-                                            dot_u8_scaled(hi, a[b], 64 * j + 32, sc[2 * j + 1], sc[2 * j + 1]));
-      sumf = _mm256_add_ps(sumf, _mm256_cvtepi32_ps(both));
+      for (int t = 0; t < NT; ++t) {
+        const ActQ8K& at = a[t * stride + b];
+        const __m256i both = _mm256_add_epi32(dot_u8_scaled(lo, at, 64 * j, sc[2 * j], sc[2 * j]),
+                                              dot_u8_scaled(hi, at, 64 * j + 32, sc[2 * j + 1], sc[2 * j + 1]));
+        sumf[t] = _mm256_add_ps(sumf[t], _mm256_cvtepi32_ps(both));
+      }
     }
-    int32_t sum_m = 0;
-    for (int j = 0; j < 8; ++j) sum_m += m[j] * (a[b].bsums[2 * j] + a[b].bsums[2 * j + 1]);
-    acc += a[b].d * (_cvtsh_ss(d16) * hsum(sumf) - _cvtsh_ss(dmin16) * static_cast<float>(sum_m));
+    for (int t = 0; t < NT; ++t) {
+      const ActQ8K& at = a[t * stride + b];
+      int32_t sum_m = 0;
+      for (int j = 0; j < 8; ++j) sum_m += m[j] * (at.bsums[2 * j] + at.bsums[2 * j + 1]);
+      acc[t] += at.d * (_cvtsh_ss(d16) * hsum(sumf[t]) - _cvtsh_ss(dmin16) * static_cast<float>(sum_m));
+    }
   }
-  return acc;
+  for (int t = 0; t < NT; ++t) out[t] = acc[t];
 }
 
-HS_AVX2 static inline float dot_q6_k_avx2(const void* row, const ActQ8K* a, int64_t nb) {
+template <bool FIVE_BIT>
+HS_AVX2 static inline float dot_q45_k_avx2(const void* row, const ActQ8K* a, int64_t nb) {
+  float out;
+  dot_q45_k_tokens_avx2<FIVE_BIT, 1>(row, a, nb, nb, &out);
+  return out;
+}
+
+template <int NT>
+HS_AVX2 static inline void dot_q6_k_tokens_avx2(const void* row, const ActQ8K* a, int64_t nb, int64_t stride,
+                                                float* out) {
   const BlockQ6_K* w = static_cast<const BlockQ6_K*>(row);
-  float acc = 0.f;
+  float acc[NT] = {};
   const __m256i m4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(3);
   for (int64_t b = 0; b < nb; ++b) {
-    __m256 sumf = _mm256_setzero_ps();
-    int32_t corr = 0;
+    __m256 sumf[NT];
+    int32_t corr[NT] = {};
+    for (int t = 0; t < NT; ++t) sumf[t] = _mm256_setzero_ps();
     for (int n = 0; n < 2; ++n) {
       const __m256i ql0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[b].ql + 64 * n));
       const __m256i ql1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[b].ql + 64 * n + 32));
@@ -338,13 +343,23 @@ HS_AVX2 static inline float dot_q6_k_avx2(const void* row, const ActQ8K* a, int6
       };
       for (int k = 0; k < 4; ++k) {
         const int8_t s0 = w[b].scales[8 * n + 2 * k], s1 = w[b].scales[8 * n + 2 * k + 1];
-        sumf = _mm256_add_ps(sumf, _mm256_cvtepi32_ps(dot_u8_scaled(q[k], a[b], 128 * n + 32 * k, s0, s1)));
-        corr += s0 * a[b].bsums[8 * n + 2 * k] + s1 * a[b].bsums[8 * n + 2 * k + 1];
+        for (int t = 0; t < NT; ++t) {
+          const ActQ8K& at = a[t * stride + b];
+          sumf[t] = _mm256_add_ps(sumf[t], _mm256_cvtepi32_ps(dot_u8_scaled(q[k], at, 128 * n + 32 * k, s0, s1)));
+          corr[t] += s0 * at.bsums[8 * n + 2 * k] + s1 * at.bsums[8 * n + 2 * k + 1];
+        }
       }
     }
-    acc += a[b].d * _cvtsh_ss(w[b].d) * (hsum(sumf) - 32.f * static_cast<float>(corr));
+    for (int t = 0; t < NT; ++t)
+      acc[t] += a[t * stride + b].d * _cvtsh_ss(w[b].d) * (hsum(sumf[t]) - 32.f * static_cast<float>(corr[t]));
   }
-  return acc;
+  for (int t = 0; t < NT; ++t) out[t] = acc[t];
+}
+
+HS_AVX2 static inline float dot_q6_k_avx2(const void* row, const ActQ8K* a, int64_t nb) {
+  float out;
+  dot_q6_k_tokens_avx2<1>(row, a, nb, nb, &out);
+  return out;
 }
 
 

@@ -113,8 +113,11 @@ int64_t check_rows(const c10::optional<at::Tensor>& idx, int64_t N, const char* 
 
 }  // namespace
 
+constexpr int TOKEN_TILE = 4;  // prompt tokens that share one unpacked weight block
 using DotTokens = void (*)(const void*, const ActQ8*, int64_t, int64_t, float*);
+using DotTokensK = void (*)(const void*, const ActQ8K*, int64_t, int64_t, float*);
 DotTokens pick_tokens(int64_t qtype, int nt);
+DotTokensK pick_tokens_k(int64_t qtype, int nt);
 
 // y_i[t, k] = W_i[row_i(k)] . x[t] for several weights in one parallel region, row_i(k) = idx_i[k]
 // (the sparse row-dot) or k (dense). One fork/join for q/k/v or gate/up, activations quantized once
@@ -183,12 +186,18 @@ std::vector<at::Tensor> qmatmul_rows_cpu(const std::vector<at::Tensor>& ws, cons
         }
         const uint8_t* row = wp + n * row_bytes;
         int64_t t = 0;
-        if (T > 1 && dot_32) {  // prefill: tiles of tokens share each unpacked weight block
-          for (float tile[4]; t < T; t += 4) {
-            const int nt = static_cast<int>(std::min<int64_t>(4, T - t));
-            const DotTokens multi = pick_tokens(qtype, nt);
-            if (!multi) break;
-            multi(row, act32.data() + t * nb, nb, nb, tile);
+        if (T > 1 && (dot_32 || dot_256)) {  // prefill: tiles of tokens share each unpacked weight block
+          for (float tile[TOKEN_TILE]; t < T; t += TOKEN_TILE) {
+            const int nt = static_cast<int>(std::min<int64_t>(TOKEN_TILE, T - t));
+            if (dot_32) {
+              const DotTokens multi = pick_tokens(qtype, nt);
+              if (!multi) break;
+              multi(row, act32.data() + t * nb, nb, nb, tile);
+            } else {
+              const DotTokensK multi = pick_tokens_k(qtype, nt);
+              if (!multi) break;
+              multi(row, act256.data() + t * nb, nb, nb, tile);
+            }
             for (int j = 0; j < nt; ++j) yp[(t + j) * M + k] = tile[j];
           }
         }
@@ -217,7 +226,6 @@ at::Tensor qmatmul_cpu(const at::Tensor& w, int64_t qtype, const at::Tensor& x) 
 }
 
 // Several tokens against one row at once, for the formats that have such a kernel (else nullptr).
-constexpr int TOKEN_TILE = 4;
 
 DotTokens pick_tokens(int64_t qtype, int nt) {
 #ifdef HS_X86
@@ -228,6 +236,23 @@ DotTokens pick_tokens(int64_t qtype, int nt) {
                                            dot_q45_0_tokens_avx2<Q5_0, 3>, dot_q45_0_tokens_avx2<Q5_0, 4>};
   if (qtype == Q4_0) return q4[nt - 1];
   if (qtype == Q5_0) return q5[nt - 1];
+#endif
+  (void)qtype; (void)nt;
+  return nullptr;
+}
+
+DotTokensK pick_tokens_k(int64_t qtype, int nt) {
+#ifdef HS_X86
+  if (!cpu_has_avx2()) return nullptr;
+  static const DotTokensK q4[TOKEN_TILE] = {dot_q45_k_tokens_avx2<false, 1>, dot_q45_k_tokens_avx2<false, 2>,
+                                            dot_q45_k_tokens_avx2<false, 3>, dot_q45_k_tokens_avx2<false, 4>};
+  static const DotTokensK q5[TOKEN_TILE] = {dot_q45_k_tokens_avx2<true, 1>, dot_q45_k_tokens_avx2<true, 2>,
+                                            dot_q45_k_tokens_avx2<true, 3>, dot_q45_k_tokens_avx2<true, 4>};
+  static const DotTokensK q6[TOKEN_TILE] = {dot_q6_k_tokens_avx2<1>, dot_q6_k_tokens_avx2<2>,
+                                            dot_q6_k_tokens_avx2<3>, dot_q6_k_tokens_avx2<4>};
+  if (qtype == Q4_K) return q4[nt - 1];
+  if (qtype == Q5_K) return q5[nt - 1];
+  if (qtype == Q6_K) return q6[nt - 1];
 #endif
   (void)qtype; (void)nt;
   return nullptr;

@@ -19,6 +19,12 @@ KERNEL_TYPES = [Q.Q4_0, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.F16, Q.BF16]
 needs_kernels = pytest.mark.skipif(not kernels.available(), reason="compiled kernels unavailable")
 
 
+def test_compiled_kernels_build():
+    """A broken build must fail the suite, not quietly skip every kernel test."""
+    import os
+    assert kernels.available() or os.environ.get("HS_NO_KERNELS"), kernels._load_error
+
+
 @pytest.mark.parametrize("qtype", BLOCK_TYPES)
 def test_dequantize_matches_gguf(qtype):
     raw = random_rows(qtype, 5, GGML_QUANT_SIZES[qtype][0] * 3, seed=int(qtype))
