@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 
-from .quants import FLOAT_TYPES, dequantize
+from .quants import FLOAT_TYPES, dequantize, row_elements
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +28,9 @@ if not CSRC.is_dir():  # installed as a package: csrc is shipped inside hybridsp
 # Block formats the compiled CPU matmul computes natively (activations quantized per block to two
 # 8-bit planes, see csrc/quant_blocks.h); the rest go through the twin.
 CPU_QTYPES = {Q.F16, Q.BF16, Q.Q4_0, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K}
+# Formats the compiled axpy (rows that are neurons: ffn_down_t, the sparse down projection) reads
+# (csrc/dequant.cpp); K-quant rows go through the twin.
+CPU_AXPY_QTYPES = {Q.F16, Q.BF16, Q.Q4_0, Q.Q5_0, Q.Q8_0}
 CUDA_QTYPES = {Q.Q4_0, Q.Q8_0}
 CUDA_MAX_GEMV_TOKENS = 8  # csrc/cuda_matmul.cu: MAX_TOKENS
 _DEQUANT_CHUNK_ROWS = 8192
@@ -240,8 +243,8 @@ def matmul_t(h: torch.Tensor, data: torch.Tensor, qtype: Q) -> torch.Tensor:
         return (h.to(data.dtype) @ data).float()
     if qtype == Q.F32 or data.is_cuda:
         return matmul_t_reference(h, data, qtype)
-    if qtype in CPU_QTYPES and ops() is not None:
-        return ops().qmatmul_t(data, int(qtype), h.contiguous())
+    if qtype in CPU_AXPY_QTYPES and ops() is not None:
+        return cpu.qmatmul_t(data, int(qtype), h.contiguous())
     return matmul_t_reference(h, data, qtype)
 
 
@@ -288,12 +291,9 @@ def sparse_rowdot(data: torch.Tensor, qtype: Q, x: torch.Tensor, idx: torch.Tens
 
 def sparse_axpy_reference(data: torch.Tensor, qtype: Q, h: torch.Tensor, idx: torch.Tensor | None) -> torch.Tensor:
     rows = data if idx is None else data[idx.long()]
-    return h @ dequantize(rows, qtype) if rows.shape[0] else h.new_zeros((h.shape[0], _row_elems(data, qtype)))
-
-
-def _row_elems(data: torch.Tensor, qtype: Q) -> int:
-    block, size = GGML_QUANT_SIZES[qtype]
-    return data.shape[1] * data.element_size() // size * block
+    if not rows.shape[0]:
+        return h.new_zeros((h.shape[0], row_elements(qtype, data.shape[1] * data.element_size())))
+    return h @ dequantize(rows, qtype)
 
 
 def sparse_axpy(data: torch.Tensor, qtype: Q, h: torch.Tensor, idx: torch.Tensor | None) -> torch.Tensor:
@@ -301,15 +301,15 @@ def sparse_axpy(data: torch.Tensor, qtype: Q, h: torch.Tensor, idx: torch.Tensor
     _check_index(idx, data.shape[0], "sparse_axpy")
     if h.dim() != 2 or h.dtype != torch.float32 or h.shape[1] != (data.shape[0] if idx is None else idx.numel()):
         raise ValueError(f"sparse_axpy: h must be float32 [tokens, {data.shape[0] if idx is None else idx.numel()}]")
-    if use_cpu_op(h) and qtype in CPU_QTYPES and qtype not in (Q.Q4_K, Q.Q5_K, Q.Q6_K):
+    if use_cpu_op(h) and qtype in CPU_AXPY_QTYPES:
         return cpu.sparse_axpy(data, int(qtype), h.contiguous(), None if idx is None else idx.contiguous())
     return sparse_axpy_reference(data, qtype, h, idx)
 
 
 def sparse_ffn_reference(x, up, up_type, gate, gate_type, down_t, down_type, idx, up_bias, activation, act_on_up):
     """Twin of `sparse_ffn`: returns (y, h)."""
-    act = {"silu": F.silu, "relu": F.relu, "gelu": lambda v: F.gelu(v, approximate="tanh"),
-           "gelu_erf": F.gelu}[activation]
+    from .layers import ACTIVATIONS  # layers imports this module: import at call time
+    act = ACTIVATIONS[activation]
     u = sparse_rowdot_reference(up, up_type, x, idx)
     if up_bias is not None:
         u = u + (up_bias if idx is None else up_bias[idx.long()])
@@ -328,8 +328,8 @@ def sparse_ffn(x, up, up_type, gate, gate_type, down_t, down_type, idx, up_bias=
     if gate is not None:
         validate_matmul(gate, gate_type, x, "sparse_ffn")
     _check_index(idx, up.shape[0], "sparse_ffn")
-    if use_cpu_op(x) and {up_type, down_type} | ({gate_type} if gate is not None else set()) <= CPU_QTYPES \
-            and down_type not in (Q.Q4_K, Q.Q5_K, Q.Q6_K):
+    row_types = {up_type} | ({gate_type} if gate is not None else set())
+    if use_cpu_op(x) and down_type in CPU_AXPY_QTYPES and row_types <= CPU_QTYPES:
         return cpu.sparse_ffn(x, up, int(up_type), gate, int(gate_type) if gate is not None else 0, down_t,
                               int(down_type), None if idx is None else idx.contiguous(), up_bias,
                               ACTIVATION_IDS[activation], act_on_up)

@@ -182,3 +182,11 @@ def test_scalar_fallback_matches_twin():
                        env={**os.environ, "HS_CPU_PATH": "scalar"})
     assert r.returncode == 0, r.stderr[-2000:]
     assert float(r.stdout.strip().splitlines()[-1]) < 1e-5
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K])
+def test_transposed_k_quant_rows_use_the_twin(qtype):
+    """ffn_down_t in a K-quant has no compiled axpy: matmul_t must fall back, not raise."""
+    w = random_rows(qtype, 8, 256)
+    h = torch.randn(2, 8)
+    torch.testing.assert_close(kernels.matmul_t(h, w, qtype), kernels.matmul_t_reference(h, w, qtype))
