@@ -43,4 +43,19 @@ std::tuple<at::Tensor, at::Tensor> sparse_ffn_cpu(const at::Tensor& x, const at:
   return {sparse_axpy_cpu(down_t, down_type, h, idx), h};
 }
 
+// The dispatcher form of the sparse row-dot (same schema as the CUDA op): rows = idx (or all); with a
+// mask, rows whose entry is false are not read and give 0 (on the CPU the mask is compacted first).
+at::Tensor sparse_rowdot_cpu(const at::Tensor& w, int64_t qtype, const at::Tensor& x,
+                             const c10::optional<at::Tensor>& idx, const c10::optional<at::Tensor>& mask) {
+  if (!mask.has_value() || !mask->defined()) return qmatmul_rows_cpu({w}, {qtype}, x, {idx})[0];
+  TORCH_CHECK(mask->scalar_type() == at::kBool && mask->dim() == 1 && mask->size(0) == w.size(0),
+              "sparse_rowdot: mask must be a bool vector of ", w.size(0), " entries");
+  const at::Tensor rows = idx.has_value() && idx->defined() ? *idx : at::arange(w.size(0), x.options().dtype(at::kInt));
+  const at::Tensor keep = mask->index_select(0, rows.to(at::kLong)).nonzero().squeeze(1);
+  const at::Tensor active = rows.index_select(0, keep).to(at::kInt).contiguous();
+  at::Tensor y = at::zeros({x.size(0), rows.size(0)}, x.options());
+  y.index_copy_(1, keep, qmatmul_rows_cpu({w}, {qtype}, x, {active})[0]);
+  return y;
+}
+
 }  // namespace hs

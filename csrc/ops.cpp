@@ -17,6 +17,8 @@ std::tuple<at::Tensor, at::Tensor> sparse_ffn_cpu(const at::Tensor& x, const at:
                                                   const c10::optional<at::Tensor>& idx,
                                                   const c10::optional<at::Tensor>& up_bias, int64_t act,
                                                   bool act_on_up);
+at::Tensor sparse_rowdot_cpu(const at::Tensor& w, int64_t qtype, const at::Tensor& x,
+                             const c10::optional<at::Tensor>& idx, const c10::optional<at::Tensor>& mask);
 at::Tensor qmatmul_t_cpu(const at::Tensor& w, int64_t qtype, const at::Tensor& h);
 bool has_cuda();
 void rope_cpu(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, bool neox);
@@ -35,6 +37,8 @@ TORCH_LIBRARY(hybridsparse, m) {
   m.def("attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor positions, "
         "int kv_len, int window, float scale) -> Tensor");
   m.def("gated_act(Tensor gate, Tensor up, int act, bool act_on_up) -> Tensor");
+  m.def("sparse_rowdot(Tensor w, int qtype, Tensor x, Tensor? idx, Tensor? mask) -> Tensor");
+  m.def("sparse_axpy(Tensor w, int qtype, Tensor h, Tensor? idx) -> Tensor");
   m.def("has_cuda() -> bool", &hs::has_cuda);
 }
 
@@ -45,6 +49,8 @@ TORCH_LIBRARY_IMPL(hybridsparse, CPU, m) {
   m.impl("rope_", &hs::rope_cpu);
   m.impl("attention", &hs::attention_cpu);
   m.impl("gated_act", &hs::gated_act_cpu);
+  m.impl("sparse_rowdot", &hs::sparse_rowdot_cpu);
+  m.impl("sparse_axpy", &hs::sparse_axpy_cpu);
 }
 
 #ifndef HS_WITH_CUDA
@@ -63,6 +69,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax", &hs::argmax_cpu);
   m.def("cpu_path", &hs::cpu_path);
   m.def("qmatmul_rows", &hs::qmatmul_rows_cpu, "y_i = x . W_i[idx_i]^T (idx_i None: all rows)");
+  m.def("sparse_rowdot", &hs::sparse_rowdot_cpu, "y = x . W[idx]^T, masked-out rows 0");
   m.def("sparse_axpy", &hs::sparse_axpy_cpu, "y = h . W_t[idx] (idx None: all rows)");
   m.def("sparse_ffn", &hs::sparse_ffn_cpu, "the FFN over the neurons idx (None: all); returns (y, h)");
   m.def("qmatmul_t", &hs::qmatmul_t_cpu);

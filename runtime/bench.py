@@ -2,7 +2,7 @@
 
   hs-bench run   [-m MODEL] [-t N] [-ngl N] [--reps 3] [--llama-cpp]   decode/prefill tokens/s
   hs-bench synth --shape llama-7b --dtype f16 -o DIR                    a random model of a real shape
-  hs-bench kernels [-t N] [--shapes ...] [--types ...] --json OUT         sparse CPU ops, GiB/s by density
+  hs-bench kernels [--device cpu|cuda] [-t N] [--shapes ...] --json OUT   sparse ops, GiB/s by density
   hs-bench table FILE.json ...                                          the README's markdown table
 """
 
@@ -285,15 +285,20 @@ def _table(args) -> int:
                   f"{r['threads']} | {r['n_gpu_layers']} | {r['prefill_tok_s']:.1f} | {r['decode_tok_s']:.1f} | "
                   f"{ratio} | {frac} |")
     for d in kernel_files:
-        bw = d["machine"]["cpu_read_bandwidth_gib_s"]
-        print(f"\nSparse CPU ops on {d['machine']['cpu']}, {d['threads']} threads, read bandwidth {bw} GiB/s "
-              "(GiB/s on the bytes of the rows each op must read):\n")
-        print("| FFN rows | type | density | row-dot GiB/s | axpy GiB/s | torch gather+GEMV GiB/s |")
-        print("|---|---|---|---|---|---|")
+        m = d["machine"]
+        bw = m.get("read_bandwidth_gib_s") or m["cpu_read_bandwidth_gib_s"]
+        on_gpu = m.get("device") == "cuda"
+        where = f"{m['gpu']}" if on_gpu else f"{m['cpu']}, {d['threads']} threads"
+        print(f"\nSparse ops on {where}, read bandwidth {bw} GiB/s (GiB/s on the bytes of the rows each op must "
+              "read; % of that bandwidth):\n")
+        print("| FFN rows | type | density | row-dot GiB/s | axpy GiB/s | torch gather+GEMV GiB/s | torch dense GEMV GiB/s |")
+        print("|---|---|---|---|---|---|---|")
         for r in d["results"]:
             torch_g = f"{r['torch_gather_gemv_gib_s']:.1f}" if "torch_gather_gemv_gib_s" in r else ""
-            print(f"| {r['shape']} | {r['type']} | {r['density']:.0%} | {r['rowdot_gib_s']:.1f} | "
-                  f"{r['axpy_gib_s']:.1f} | {torch_g} |")
+            torch_d = f"{r['torch_dense_gemv_gib_s']:.1f}" if "torch_dense_gemv_gib_s" in r else ""
+            print(f"| {r['shape']} | {r['type']} | {r['density']:.0%} | {r['rowdot_gib_s']:.1f} "
+                  f"({r['rowdot_gib_s'] / bw:.0%}) | {r['axpy_gib_s']:.1f} ({r['axpy_gib_s'] / bw:.0%}) | "
+                  f"{torch_g} | {torch_d} |")
     return 0
 
 
@@ -314,53 +319,91 @@ def _random_weight(qtype, rows: int, cols: int) -> torch.Tensor:
     return raw.reshape(rows, -1)
 
 
-def _time(f, reps: int) -> float:
+def _time(f, reps: int, cuda: bool = False) -> float:
+    """Median seconds per call. On the GPU the calls are captured in a CUDA graph (as the runtime
+    runs them) and replayed, so the figure is the kernels' time, not Python's launch overhead."""
     f()
+    if not cuda:
+        times = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            f()
+            times.append(time.perf_counter() - t)
+        return statistics.median(times)
+    calls = 20
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        f()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            f()
+    graph.replay()
     times = []
     for _ in range(reps):
-        t = time.perf_counter()
-        f()
-        times.append(time.perf_counter() - t)
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop) / 1e3 / calls)
     return statistics.median(times)
 
 
 def _kernels(args) -> int:
-    """Effective GiB/s of the sparse CPU ops on the bytes they must read, at several densities, next
-    to the machine's read bandwidth and torch (dense GEMV; gather + GEMV)."""
+    """Effective GiB/s of the sparse ops on the bytes they must read, at several densities, next to
+    the device's read bandwidth and torch (dense GEMV; gather + GEMV)."""
     from gguf import GGMLQuantizationType as Q
     from . import kernels
     torch.set_num_threads(args.threads)
-    bw = measure_bandwidth_gib_s("cpu")
+    cuda = args.device == "cuda"
+    if cuda and not (torch.cuda.is_available() and kernels.available() and kernels._has_cuda_kernels()):
+        raise SystemExit("hs-bench kernels --device cuda: no CUDA device or the CUDA kernels did not build")
+    dev = torch.device(args.device)
+    bw = measure_bandwidth_gib_s(args.device)
     rows_out, densities = [], [float(d) for d in args.densities.split(",")]
     for shape in args.shapes.split(","):
         d_model, n_ff = KERNEL_SHAPES[shape]
         for tname in args.types.split(","):
             qtype = Q[tname]
-            w = _random_weight(qtype, n_ff, d_model)
+            w = _random_weight(qtype, n_ff, d_model).to(dev)
             row_bytes = w.shape[1] * w.element_size()
-            x = torch.randn(1, d_model)
-            wf = w.float() if qtype in (Q.F16, Q.BF16) else None
-            dense_torch = _time(lambda: torch.nn.functional.linear(x, wf), args.reps) if wf is not None else None
+            x = torch.randn(1, d_model, device=dev)
+            is_float = qtype in (Q.F16, Q.BF16)
+            xw = x.to(w.dtype) if is_float else None
+            t_dense = _time(lambda: torch.nn.functional.linear(xw, w), args.reps, cuda) if is_float else None
             for dens in densities:
                 m = max(1, int(n_ff * dens))
-                idx = torch.randperm(n_ff)[:m].sort().values.int()
-                h = torch.randn(1, m)
-                t_dot = _time(lambda: kernels.sparse_rowdot(w, qtype, x, idx), args.reps)
-                t_axpy = _time(lambda: kernels.sparse_axpy(w, qtype, h, idx), args.reps)
+                idx = torch.randperm(n_ff)[:m].sort().values.int().to(dev)
+                h = torch.randn(1, m, device=dev)
+                t_dot = _time(lambda: kernels.sparse_rowdot(w, qtype, x, idx, check=False), args.reps, cuda)
+                t_axpy = _time(lambda: kernels.sparse_axpy(w, qtype, h, idx, check=False), args.reps, cuda)
+                gib = m * row_bytes / 2**30
                 entry = {"shape": shape, "type": tname, "density": dens, "rows": m,
-                         "rowdot_gib_s": m * row_bytes / t_dot / 2**30, "axpy_gib_s": m * row_bytes / t_axpy / 2**30}
-                if wf is not None:
-                    t_gather = _time(lambda: torch.nn.functional.linear(x, wf[idx.long()]), args.reps)
-                    entry["torch_gather_gemv_gib_s"] = m * row_bytes / t_gather / 2**30
-                    entry["torch_dense_fp32_gemv_ms"] = dense_torch * 1e3
+                         "rowdot_gib_s": gib / t_dot, "axpy_gib_s": gib / t_axpy,
+                         "rowdot_of_bandwidth": gib / t_dot / bw, "axpy_of_bandwidth": gib / t_axpy / bw}
+                if cuda:
+                    mask = torch.zeros(n_ff, dtype=torch.bool, device=dev)
+                    mask[idx.long()] = True
+                    t_mask = _time(lambda: kernels.sparse_rowdot(w, qtype, x, None, mask, check=False), args.reps, cuda)
+                    entry["rowdot_mask_gib_s"] = gib / t_mask
+                if is_float:
+                    t_gather = _time(lambda: torch.nn.functional.linear(xw, w[idx.long()]), args.reps, cuda)
+                    entry["torch_gather_gemv_gib_s"] = gib / t_gather
+                    entry["torch_dense_gemv_gib_s"] = n_ff * row_bytes / 2**30 / t_dense
                 rows_out.append(entry)
-                print(f"{shape:12s} {tname:5s} {dens:5.0%} rowdot {entry['rowdot_gib_s']:7.1f} GiB/s  "
-                      f"axpy {entry['axpy_gib_s']:7.1f} GiB/s"
-                      + (f"  torch gather+GEMV {entry['torch_gather_gemv_gib_s']:7.1f}" if wf is not None else ""),
-                      flush=True)
-    result = {"machine": {**machine(), "cpu_read_bandwidth_gib_s": round(bw, 1)}, "threads": args.threads,
-              "results": rows_out}
-    print(f"read bandwidth {bw:.1f} GiB/s with {args.threads} threads")
+                print(f"{shape:12s} {tname:5s} {dens:5.0%} rowdot {entry['rowdot_gib_s']:7.1f} GiB/s "
+                      f"({entry['rowdot_of_bandwidth']:4.0%})  axpy {entry['axpy_gib_s']:7.1f} GiB/s "
+                      f"({entry['axpy_of_bandwidth']:4.0%})"
+                      + (f"  mask-rowdot {entry['rowdot_mask_gib_s']:7.1f}" if cuda else "")
+                      + (f"  torch gather+GEMV {entry['torch_gather_gemv_gib_s']:7.1f}  torch dense "
+                         f"{entry['torch_dense_gemv_gib_s']:7.1f}" if is_float else ""), flush=True)
+    m = machine()
+    result = {"machine": {**m, "device": args.device, "read_bandwidth_gib_s": round(bw, 1),
+                          "cpu_read_bandwidth_gib_s": round(bw, 1) if not cuda else None},
+              "threads": args.threads, "results": rows_out}
+    print(f"read bandwidth {bw:.1f} GiB/s ({args.device}" + (f", {args.threads} threads)" if not cuda else ")"))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=2))
@@ -380,8 +423,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--compare-graphs", action="store_true", help="also run without CUDA graphs")
     run.add_argument("--json", help="write the results here")
     run.set_defaults(func=_run)
-    kern = sub.add_parser("kernels", help="sparse CPU ops: effective GiB/s at several densities")
+    kern = sub.add_parser("kernels", help="sparse ops: effective GiB/s at several densities, vs bandwidth and torch")
     kern.add_argument("-t", "--threads", type=int, default=default_threads())
+    kern.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     kern.add_argument("--shapes", default="llama-2-7b,llama-2-13b,llama-2-70b,falcon-40b")
     kern.add_argument("--types", default="F16,Q8_0,Q4_0")
     kern.add_argument("--densities", default="1.0,0.25,0.1,0.03")

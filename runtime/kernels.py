@@ -31,8 +31,13 @@ CPU_QTYPES = {Q.F16, Q.BF16, Q.Q4_0, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K}
 # Formats the compiled axpy (rows that are neurons: ffn_down_t, the sparse down projection) reads
 # (csrc/dequant.cpp); K-quant rows go through the twin.
 CPU_AXPY_QTYPES = {Q.F16, Q.BF16, Q.Q4_0, Q.Q5_0, Q.Q8_0}
-CUDA_QTYPES = {Q.Q4_0, Q.Q8_0}
-CUDA_MAX_GEMV_TOKENS = 8  # csrc/cuda_matmul.cu: MAX_TOKENS
+CUDA_QTYPES = {Q.Q4_0, Q.Q8_0}  # quantized formats the CUDA GEMV reads (float ones go to cuBLAS)
+# Formats of the CUDA sparse row-dot / axpy (csrc/cuda_sparse.cu), rows a multiple of 8 elements.
+CUDA_SPARSE_QTYPES = {Q.F16, Q.BF16, Q.Q4_0, Q.Q8_0}
+CUDA_MAX_GEMV_TOKENS = 8  # csrc/cuda_sparse.cu: cuda_max_tokens()
+# Decode-sized float16/bfloat16 matmuls on the GPU: "ours" (csrc/cuda_sparse.cu) or "cublas"
+# (torch's F.linear); HS_CUDA_GEMV picks, for side-by-side benchmarks.
+CUDA_GEMV = os.environ.get("HS_CUDA_GEMV", "ours")
 _DEQUANT_CHUNK_ROWS = 8192
 
 _ops = None
@@ -128,6 +133,14 @@ def _register_fakes() -> None:
     def _(gate, up, act, act_on_up):
         return torch.empty_like(gate)
 
+    @torch.library.register_fake("hybridsparse::sparse_rowdot")
+    def _(w, qtype, x, idx, mask):
+        return x.new_empty((x.shape[0], w.shape[0] if idx is None else idx.shape[0]))
+
+    @torch.library.register_fake("hybridsparse::sparse_axpy")
+    def _(w, qtype, h, idx):
+        return h.new_empty((h.shape[0], row_elements(Q(qtype), w.shape[1] * w.element_size())))
+
     @torch.library.register_fake("hybridsparse::qmatmul_t")
     def _(w, qtype, h):
         block, size = GGML_QUANT_SIZES[Q(qtype)]
@@ -160,12 +173,18 @@ def cuda_supports(qtype: Q) -> bool:
     return o is not None and qtype in CUDA_QTYPES and hasattr(o, "qmatmul") and _has_cuda_kernels()
 
 
+_cuda_built: bool | None = None
+
+
 def _has_cuda_kernels() -> bool:
-    o = ops()
-    try:
-        return bool(o.has_cuda())
-    except (AttributeError, RuntimeError):
-        return False
+    global _cuda_built
+    if _cuda_built is None:
+        o = ops()
+        try:
+            _cuda_built = bool(o.has_cuda())
+        except (AttributeError, RuntimeError):
+            _cuda_built = False
+    return _cuda_built
 
 
 # --- the ops and their twins ---------------------------------------------------------------------
@@ -218,10 +237,12 @@ def matmul_reference(x: torch.Tensor, data: torch.Tensor, qtype: Q) -> torch.Ten
 def matmul(x: torch.Tensor, data: torch.Tensor, qtype: Q) -> torch.Tensor:
     """x [T, in] float32 times the weight [rows, in] (stored format) transposed -> [T, rows] float32."""
     if data.is_cuda:
+        if x.shape[0] <= CUDA_MAX_GEMV_TOKENS and (qtype in CUDA_QTYPES or CUDA_GEMV == "ours") \
+                and _cuda_sparse_ok(data, qtype, x.shape[0]):
+            # decode: our GEMV reads the stored rows and takes/gives float32 (no cast kernels)
+            return ops().sparse_rowdot(data, int(qtype), x.contiguous(), None, None)
         if qtype in FLOAT_TYPES:
             return F.linear(x.to(data.dtype), data).float()
-        if x.shape[0] <= CUDA_MAX_GEMV_TOKENS:
-            return ops().qmatmul(data, int(qtype), x.contiguous())
         # prefill: dequantize a slice of rows at a time to float16 and use cuBLAS
         return torch.cat([F.linear(x.half(), dequantize(data[i:i + _DEQUANT_CHUNK_ROWS], qtype).half()).float()
                           for i in range(0, data.shape[0], _DEQUANT_CHUNK_ROWS)], dim=-1)
@@ -266,6 +287,8 @@ ACTIVATION_IDS = {"silu": 0, "relu": 1, "gelu": 2, "gelu_erf": 3}
 # --- sparse ops over an index set of neurons (rows), with their twins ---------------------------
 
 def _check_index(idx: torch.Tensor | None, rows: int, op: str) -> None:
+    """Index sets are checked on the host; on the GPU that costs a synchronisation, so the runtime's
+    own calls (check=False) skip it and rely on index sets it built itself."""
     if idx is None:
         return
     if idx.dim() != 1 or idx.dtype != torch.int32:
@@ -275,50 +298,84 @@ def _check_index(idx: torch.Tensor | None, rows: int, op: str) -> None:
                          f"is outside the {rows} rows")
 
 
-def sparse_rowdot_reference(data: torch.Tensor, qtype: Q, x: torch.Tensor, idx: torch.Tensor | None) -> torch.Tensor:
+def _check_mask(mask: torch.Tensor | None, rows: int, like: torch.Tensor, op: str) -> None:
+    if mask is not None and (mask.dtype != torch.bool or mask.shape != (rows,) or mask.device != like.device):
+        raise ValueError(f"{op}: the mask must be a bool vector of {rows} entries on {like.device}, "
+                         f"got {mask.dtype} {list(mask.shape)} on {mask.device}")
+
+
+def _cuda_sparse_ok(data: torch.Tensor, qtype: Q, tokens: int) -> bool:
+    """The CUDA kernels read rows in 8-element units, up to 8 tokens per launch."""
+    if not data.is_cuda or qtype not in CUDA_SPARSE_QTYPES or tokens > CUDA_MAX_GEMV_TOKENS or not _has_cuda_kernels():
+        return False
+    n = row_elements(qtype, data.shape[1] * data.element_size())
+    return n % 8 == 0 and (qtype not in FLOAT_TYPES or data.data_ptr() % 16 == 0)
+
+
+def sparse_rowdot_reference(data: torch.Tensor, qtype: Q, x: torch.Tensor, idx: torch.Tensor | None,
+                            mask: torch.Tensor | None = None) -> torch.Tensor:
     rows = data if idx is None else data[idx.long()]
-    return F.linear(x, dequantize(rows, qtype)) if rows.shape[0] else x.new_zeros((x.shape[0], 0))
+    y = F.linear(x, dequantize(rows, qtype).to(x.device)) if rows.shape[0] else x.new_zeros((x.shape[0], 0))
+    if mask is not None:
+        y = y * (mask if idx is None else mask[idx.long()]).to(y.dtype)
+    return y
 
 
-def sparse_rowdot(data: torch.Tensor, qtype: Q, x: torch.Tensor, idx: torch.Tensor | None) -> torch.Tensor:
-    """y[t, k] = W[idx[k]] . x[t] (idx None: every row)."""
-    validate_matmul(data, qtype, x, "sparse_rowdot")
-    _check_index(idx, data.shape[0], "sparse_rowdot")
+def sparse_rowdot(data: torch.Tensor, qtype: Q, x: torch.Tensor, idx: torch.Tensor | None,
+                  mask: torch.Tensor | None = None, check: bool = True) -> torch.Tensor:
+    """y[t, k] = W[idx[k]] . x[t] (idx None: every row); rows whose mask entry is False are not
+    read and give 0 (the GPU form: the mask comes from the predictor without a host round trip)."""
+    if check:
+        validate_matmul(data, qtype, x, "sparse_rowdot")
+        _check_index(idx, data.shape[0], "sparse_rowdot")
+        _check_mask(mask, data.shape[0], data, "sparse_rowdot")
+    if _cuda_sparse_ok(data, qtype, x.shape[0]):
+        return ops().sparse_rowdot(data, int(qtype), x.contiguous(), idx, mask)
     if use_cpu_op(x) and qtype in CPU_QTYPES:
-        return cpu.qmatmul_rows([data], [int(qtype)], x, [None if idx is None else idx.contiguous()])[0]
-    return sparse_rowdot_reference(data, qtype, x, idx)
+        idx = None if idx is None else idx.contiguous()
+        if mask is not None:
+            return cpu.sparse_rowdot(data, int(qtype), x, idx, mask)
+        return cpu.qmatmul_rows([data], [int(qtype)], x, [idx])[0]
+    return sparse_rowdot_reference(data, qtype, x, idx, mask)
 
 
 def sparse_axpy_reference(data: torch.Tensor, qtype: Q, h: torch.Tensor, idx: torch.Tensor | None) -> torch.Tensor:
     rows = data if idx is None else data[idx.long()]
     if not rows.shape[0]:
         return h.new_zeros((h.shape[0], row_elements(qtype, data.shape[1] * data.element_size())))
-    return h @ dequantize(rows, qtype)
+    return h @ dequantize(rows, qtype).to(h.device)
 
 
-def sparse_axpy(data: torch.Tensor, qtype: Q, h: torch.Tensor, idx: torch.Tensor | None) -> torch.Tensor:
-    """y[t] = sum_k h[t, k] * W_t[idx[k]] (idx None: every row)."""
-    _check_index(idx, data.shape[0], "sparse_axpy")
-    if h.dim() != 2 or h.dtype != torch.float32 or h.shape[1] != (data.shape[0] if idx is None else idx.numel()):
-        raise ValueError(f"sparse_axpy: h must be float32 [tokens, {data.shape[0] if idx is None else idx.numel()}]")
+def sparse_axpy(data: torch.Tensor, qtype: Q, h: torch.Tensor, idx: torch.Tensor | None,
+                check: bool = True) -> torch.Tensor:
+    """y[t] = sum_k h[t, k] * W_t[idx[k]] (idx None: every row); the compiled ops skip the rows
+    whose h is zero for every token, so a dense h with zeros is the mask form."""
+    if check:
+        _check_index(idx, data.shape[0], "sparse_axpy")
+        n = data.shape[0] if idx is None else idx.numel()
+        if h.dim() != 2 or h.dtype != torch.float32 or h.shape[1] != n or h.device != data.device:
+            raise ValueError(f"sparse_axpy: h must be float32 [tokens, {n}] on {data.device}")
+    if _cuda_sparse_ok(data, qtype, 0):
+        return ops().sparse_axpy(data, int(qtype), h.contiguous(), idx)
     if use_cpu_op(h) and qtype in CPU_AXPY_QTYPES:
         return cpu.sparse_axpy(data, int(qtype), h.contiguous(), None if idx is None else idx.contiguous())
     return sparse_axpy_reference(data, qtype, h, idx)
 
 
-def sparse_ffn_reference(x, up, up_type, gate, gate_type, down_t, down_type, idx, up_bias, activation, act_on_up):
-    """Twin of `sparse_ffn`: returns (y, h)."""
+def sparse_ffn_reference(x, up, up_type, gate, gate_type, down_t, down_type, idx, up_bias, activation, act_on_up,
+                         rowdot=sparse_rowdot_reference, axpy=sparse_axpy_reference):
+    """Twin of `sparse_ffn`: returns (y, h). (With the compiled rowdot/axpy: the GPU's sparse FFN.)"""
     from .layers import ACTIVATIONS  # layers imports this module: import at call time
     act = ACTIVATIONS[activation]
-    u = sparse_rowdot_reference(up, up_type, x, idx)
+    u = rowdot(up, up_type, x, idx)
     if up_bias is not None:
         u = u + (up_bias if idx is None else up_bias[idx.long()])
     if gate is not None:
-        g = sparse_rowdot_reference(gate, gate_type, x, idx)
+        g = rowdot(gate, gate_type, x, idx)
         h = act(g) * (act(u) if act_on_up else u)
     else:
         h = act(u)
-    return sparse_axpy_reference(down_t, down_type, h, idx), h
+    return axpy(down_t, down_type, h, idx), h
 
 
 def sparse_ffn(x, up, up_type, gate, gate_type, down_t, down_type, idx, up_bias=None, activation="relu",
@@ -333,6 +390,10 @@ def sparse_ffn(x, up, up_type, gate, gate_type, down_t, down_type, idx, up_bias=
         return cpu.sparse_ffn(x, up, int(up_type), gate, int(gate_type) if gate is not None else 0, down_t,
                               int(down_type), None if idx is None else idx.contiguous(), up_bias,
                               ACTIVATION_IDS[activation], act_on_up)
+    if x.is_cuda:  # the CUDA row-dot and axpy where they read the format, else the twins
+        return sparse_ffn_reference(x, up, up_type, gate, gate_type, down_t, down_type, idx, up_bias, activation,
+                                    act_on_up, rowdot=lambda w, q, xx, i: sparse_rowdot(w, q, xx, i, check=False),
+                                    axpy=lambda w, q, hh, i: sparse_axpy(w, q, hh, i, check=False))
     return sparse_ffn_reference(x, up, up_type, gate, gate_type, down_t, down_type, idx, up_bias, activation,
                                 act_on_up)
 

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# One GPU-machine session: install, build the CUDA kernels, run the GPU and kernel tests, run the
-# benchmarks (HS_DEVICE_BENCH=0: tests only). Results land in $OUT (or ./gpu-results).
-# Usage: bash tests/gpu/device_session.sh
+# GPU-machine sessions in stages, each of which fits a 10-minute call (results land in $OUT):
+#   HS_STAGES=tests,small bash tests/gpu/device_session.sh
+#   tests: build, GPU + kernel tests, kernel benchmarks (CUDA; CPU with 16 threads by prefetch mode)
+#   small: decode of a Gemma-3-270M-shaped and a Llama-7B-shaped model all on the GPU
+#   split: the 13B layer split (-ngl 11) and CPU-only
 set -uo pipefail
 OUT=${OUT:-gpu-results}
 mkdir -p "$OUT"
@@ -11,14 +13,23 @@ if [ -d .whl ]; then
   export PYTHONPATH=/tmp/site
 fi
 python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
-( time python3 -m hybridsparse.runtime.kernels ) 2>&1 | tail -4 | tee "$OUT/build.txt"
-python3 -m pytest -q tests/gpu tests/test_quants.py tests/test_architectures.py 2>&1 | tee "$OUT/pytest.txt" | tail -15
-if [ "${HS_DEVICE_BENCH:-1}" != 1 ]; then  # tests, then the CPU microbenchmark only
-  MB_THREADS=1,16 MB_CPU_ONLY=1 PYTHONPATH="${PYTHONPATH:-}:$PWD/tests" python3 tests/gpu/microbench.py 2>&1 | tee "$OUT/microbench.txt"
-  exit 0
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+( time python3 -m hybridsparse.runtime.kernels ) 2>&1 | tail -4
+
+STAGES=",${HS_STAGES:-tests,small},"
+if [[ $STAGES == *,tests,* ]]; then
+  python3 -m pytest -q -x tests/gpu tests/test_sparse_ops.py tests/test_quants.py tests/test_architectures.py 2>&1 \
+    | tee "$OUT/pytest.txt" | tail -15
+  hs-bench kernels --device cuda --reps 5 --json "$OUT/kernels-h200-cuda.json" 2>&1 | tail -60
+  for pf in ${HS_PREFETCH_MODES:-}; do  # software prefetch modes side by side (csrc/cpu_matmul.cpp)
+    echo "HS_PREFETCH=$pf"
+    HS_PREFETCH=$pf MB_THREADS=1,16 MB_CPU_ONLY=1 PYTHONPATH="${PYTHONPATH:-}:$PWD/tests" python3 tests/gpu/microbench.py 2>&1
+  done
+  hs-bench kernels --device cpu -t 16 --shapes llama-2-13b,llama-2-70b --reps 5 \
+    --json "$OUT/kernels-h200-cpu-t16.json" 2>&1 | tail -30
 fi
 
+if [[ $STAGES == *,small,* ]]; then
 # a Gemma-3-270M-shaped model (random weights, F16: the real file cannot travel here) all on the GPU
 python3 - <<'PY'
 import torch, transformers as tf
@@ -31,13 +42,17 @@ m = tf.Gemma3ForCausalLM(cfg)
 write_gguf("/dev/shm/gemma3-270m-shape-f16.gguf", cfg, m.state_dict().items(), dtype="f16",
            extra_metadata=byte_level_vocab(262144))
 PY
-hs-bench run -m /dev/shm/gemma3-270m-shape-f16.gguf --compare-graphs --reps 3 --json "$OUT/bench_gemma_shape_gpu.json" 2>&1 | tail -6
+hs-bench run -m /dev/shm/gemma3-270m-shape-f16.gguf --compare-graphs --reps 3 --json "$OUT/bench_gemma_shape_gpu.json" 2>&1 | tail -4
 hs-bench synth --shape llama-7b --dtype f16 -o /dev/shm 2>&1 | tail -1
-hs-bench run -m /dev/shm/llama-7b-f16.gguf --reps 3 --compare-graphs --json "$OUT/bench_llama7b_f16_gpu.json" 2>&1 | tail -6
+hs-bench run -m /dev/shm/llama-7b-f16.gguf --reps 3 --json "$OUT/bench_llama7b_f16_gpu.json" 2>&1 | tail -4
+python3 tests/gpu/profile_decode.py /dev/shm/llama-7b-f16.gguf 2>&1 | tee "$OUT/profile_llama7b.txt" | tail -30
+HS_CUDA_GEMV=cublas hs-bench run -m /dev/shm/llama-7b-f16.gguf --reps 3 --json "$OUT/bench_llama7b_f16_gpu_cublas.json" 2>&1 | tail -4
 rm -f /dev/shm/llama-7b-f16.gguf
+fi
+if [[ $STAGES == *,split,* ]]; then
 # the dense layer split at ~8 GiB of VRAM (HARDWARE.md's llama.cpp setting for this shape: -ngl 11)
 hs-bench synth --shape llama-13b --dtype f16 -o /dev/shm 2>&1 | tail -1
 hs-bench run -m /dev/shm/llama-13b-f16.gguf -ngl 11 -t 16 --reps 1 -n 32 --json "$OUT/bench_llama13b_f16_ngl11.json" 2>&1 | tail -4
 hs-bench run -m /dev/shm/llama-13b-f16.gguf -ngl 0 -t 16 --reps 1 -n 32 --json "$OUT/bench_llama13b_f16_cpu.json" 2>&1 | tail -4
 rm -f /dev/shm/llama-13b-f16.gguf
-MB_THREADS=1,16 PYTHONPATH="${PYTHONPATH:-}:$PWD/tests" python3 tests/gpu/microbench.py 2>&1 | tee "$OUT/microbench.txt"
+fi

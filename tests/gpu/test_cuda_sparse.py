@@ -1,0 +1,143 @@
+"""The CUDA sparse ops (csrc/cuda_sparse.cu) against their pure-torch twins and the CPU kernels:
+F16/BF16/Q8_0/Q4_0, odd row counts, rows of 8-element units that are not multiples of 32 where the
+type allows, empty / single / all / unsorted index sets, masks, 1..8 tokens, CUDA-graph capture."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available")
+
+from hybridsparse.runtime import kernels  # noqa: E402
+from hybridsparse.runtime.quants import dequantize  # noqa: E402
+from quant_utils import random_rows  # noqa: E402
+
+TYPES = [Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0]
+N_ROWS = 301
+
+
+def _cols(qtype):
+    return 8 * 33 if qtype in (Q.F16, Q.BF16) else 32 * 9
+
+
+def _index_sets(n):
+    g = torch.Generator().manual_seed(n)
+    return {"empty": torch.zeros(0, dtype=torch.int32), "single": torch.tensor([n - 1], dtype=torch.int32),
+            "all": torch.arange(n, dtype=torch.int32), "unsorted": torch.randperm(n, generator=g)[: n // 10].int(),
+            "none": None}
+
+
+def _cuda(t):
+    return None if t is None else t.cuda()
+
+
+@pytest.fixture(autouse=True)
+def _kernels_built():
+    if not kernels._has_cuda_kernels():
+        pytest.fail("the CUDA kernels did not build on a machine with CUDA")
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("which", ["empty", "single", "all", "unsorted", "none"])
+@pytest.mark.parametrize("tokens", [1, 2, 5, 8])
+def test_cuda_rowdot(qtype, which, tokens):
+    w = random_rows(qtype, N_ROWS, _cols(qtype), seed=tokens)
+    x = torch.randn(tokens, _cols(qtype))
+    idx = _index_sets(N_ROWS)[which]
+    y = kernels.ops().sparse_rowdot(w.cuda(), int(qtype), x.cuda(), _cuda(idx), None).cpu()
+    ref = kernels.sparse_rowdot_reference(w, qtype, x, idx)
+    assert y.shape == ref.shape
+    torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4 * max(1.0, ref.abs().max().item() if ref.numel() else 1))
+    if ref.numel() and qtype in kernels.CPU_QTYPES:  # CPU and CUDA agree (CPU: 8-bit activation planes)
+        cpu = kernels.sparse_rowdot(w, qtype, x, idx)
+        assert (y - cpu).abs().max().item() <= 2e-3 * max(1.0, cpu.abs().max().item())
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("which", ["none", "unsorted", "all"])
+def test_cuda_rowdot_mask(qtype, which):
+    w = random_rows(qtype, N_ROWS, _cols(qtype), seed=3)
+    x = torch.randn(3, _cols(qtype))
+    idx = _index_sets(N_ROWS)[which]
+    mask = torch.rand(N_ROWS, generator=torch.Generator().manual_seed(4)) < 0.1
+    y = kernels.sparse_rowdot(w.cuda(), qtype, x.cuda(), _cuda(idx), mask.cuda()).cpu()
+    ref = kernels.sparse_rowdot_reference(w, qtype, x, idx, mask)
+    torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4 * max(1.0, ref.abs().max().item()))
+    rows = torch.arange(N_ROWS) if idx is None else idx.long()
+    assert (y[:, ~mask[rows]] == 0).all()
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("which", ["empty", "single", "all", "unsorted", "none"])
+@pytest.mark.parametrize("tokens", [1, 3, 6])
+def test_cuda_axpy(qtype, which, tokens):
+    D = _cols(qtype) * 9  # several 256-column tiles and a partial one
+    w = random_rows(qtype, N_ROWS, D, seed=tokens)
+    idx = _index_sets(N_ROWS)[which]
+    m = N_ROWS if idx is None else idx.numel()
+    h = torch.randn(tokens, m)
+    if m > 2:
+        h[:, ::3] = 0  # inactive neurons (for every token): their rows are skipped
+        h[0, 1::3] = 0  # inactive for one token only
+    y = kernels.sparse_axpy(w.cuda(), qtype, h.cuda(), _cuda(idx)).cpu()
+    ref = kernels.sparse_axpy_reference(w, qtype, h, idx)
+    assert y.shape == ref.shape == (tokens, dequantize(w[:1], qtype).shape[1])
+    torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4 * max(1.0, ref.abs().max().item()))
+    if qtype in kernels.CPU_AXPY_QTYPES:
+        torch.testing.assert_close(y, kernels.sparse_axpy(w, qtype, h, idx), rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("activation,gated,act_on_up", [("relu", True, False), ("silu", True, False),
+                                                        ("relu", True, True), ("relu", False, False)])
+def test_cuda_sparse_ffn_equals_cpu(activation, gated, act_on_up):
+    d, n_ff = 256, 512
+    up, gate = random_rows(Q.Q8_0, n_ff, d, seed=1), random_rows(Q.Q8_0, n_ff, d, seed=2) if gated else None
+    down_t = random_rows(Q.Q8_0, n_ff, d, seed=3)
+    bias = None if gated else torch.randn(n_ff) * 0.1
+    idx = torch.randperm(n_ff)[:50].int()
+    x = torch.randn(2, d)
+    y, h = kernels.sparse_ffn(x, up, Q.Q8_0, gate, Q.Q8_0, down_t, Q.Q8_0, idx, bias, activation, act_on_up)
+    yc, hc = kernels.sparse_ffn(x.cuda(), up.cuda(), Q.Q8_0, _cuda(gate), Q.Q8_0, down_t.cuda(), Q.Q8_0, idx.cuda(),
+                                _cuda(bias), activation, act_on_up)
+    torch.testing.assert_close(hc.cpu(), h, rtol=5e-3, atol=1e-3 * max(1.0, h.abs().max().item()))
+    torch.testing.assert_close(yc.cpu(), y, rtol=5e-3, atol=2e-3 * max(1.0, y.abs().max().item()))
+
+
+def test_cuda_sparse_ops_capture_in_a_graph():
+    """Launched on the current stream with no host synchronisation: a CUDA graph replays them."""
+    qtype = Q.Q4_0
+    w = random_rows(qtype, 1024, 512).cuda()
+    x = torch.randn(1, 512, device="cuda")
+    mask = torch.zeros(1024, dtype=torch.bool, device="cuda")
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):  # warm-up off the capture stream, as torch recommends
+        for _ in range(2):
+            kernels.sparse_axpy(w, qtype, kernels.sparse_rowdot(w, qtype, x, None, mask, check=False), None, check=False)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        h = kernels.sparse_rowdot(w, qtype, x, None, mask, check=False).relu()
+        y = kernels.sparse_axpy(w, qtype, h, None, check=False)
+    for density in (0.0, 0.1, 1.0):
+        mask.copy_(torch.rand(1024, device="cuda") < density)
+        x.normal_()
+        g.replay()
+        torch.cuda.synchronize()
+        h_ref = kernels.sparse_rowdot_reference(w.cpu(), qtype, x.cpu(), None, mask.cpu()).relu()
+        torch.testing.assert_close(h.cpu(), h_ref, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(y.cpu(), kernels.sparse_axpy_reference(w.cpu(), qtype, h_ref, None),
+                                   rtol=1e-4, atol=1e-3)
+
+
+def test_cuda_sparse_bad_input():
+    w = random_rows(Q.Q8_0, 16, 64).cuda()
+    with pytest.raises(ValueError, match="outside the 16 rows"):
+        kernels.sparse_rowdot(w, Q.Q8_0, torch.randn(1, 64, device="cuda"), torch.tensor([16], dtype=torch.int32).cuda())
+    with pytest.raises(ValueError, match="bool vector of 16"):
+        kernels.sparse_rowdot(w, Q.Q8_0, torch.randn(1, 64, device="cuda"), None, torch.ones(16, dtype=torch.bool))
+    with pytest.raises(ValueError, match="is on cpu"):
+        kernels.sparse_rowdot(w, Q.Q8_0, torch.randn(1, 64), None)
+    with pytest.raises(ValueError, match=r"h must be float32 \[tokens, 16\]"):
+        kernels.sparse_axpy(w, Q.Q8_0, torch.randn(1, 15, device="cuda"), None)
