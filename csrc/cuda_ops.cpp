@@ -15,6 +15,20 @@ void launch_rowdot(int64_t qtype, const uint8_t* w, int64_t row_bytes, const flo
 void launch_axpy(int64_t qtype, const uint8_t* w, int64_t row_bytes, const float* h, int64_t n_rows,
                  const int32_t* idx, int64_t D, float* y, int T, cudaStream_t stream);
 int cuda_max_tokens();
+void launch_rope(float* x, int64_t st, int64_t sh, int64_t T, int H, int half, const float* cos, const float* sin,
+                 bool neox, cudaStream_t stream);
+void launch_kv_store(const float* k, const float* v, int64_t skt, int64_t skh, int64_t svt, int64_t svh,
+                     void* kc, void* vc, bool half_cache, const int64_t* pos, int64_t T, int Hkv, int64_t n_ctx,
+                     int D, cudaStream_t stream);
+void launch_attention(const float* q, int64_t sqt, int64_t sqh, const void* kc, const void* vc, bool half_cache,
+                      const int64_t* pos, int64_t T, int Hq, int Hkv, int64_t n_ctx, int D, int64_t kv_len,
+                      int64_t window, float scale, float* out, cudaStream_t stream);
+int attention_max_head_dim();
+int attention_max_kv();
+void launch_rms_norm(const float* x, const float* w, float* y, int64_t rows, int64_t D, float eps,
+                     cudaStream_t stream);
+void launch_gated_act(const float* g, int64_t sg, const float* u, int64_t su, float* y, int64_t T, int64_t N,
+                      int act, bool act_on_up, cudaStream_t stream);
 
 namespace {
 
@@ -96,6 +110,77 @@ at::Tensor qmatmul_cuda(const at::Tensor& w, int64_t qtype, const at::Tensor& x)
   return sparse_rowdot_cuda(w, qtype, x, c10::nullopt, c10::nullopt);
 }
 
+// The per-layer decode steps (csrc/cuda_layers.cu). Python checks their arguments first (see
+// kernels.py); the checks here are the second line.
+void rope_cuda(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, bool neox) {
+  TORCH_CHECK(x.is_cuda() && x.dim() == 3 && x.scalar_type() == at::kFloat && x.stride(2) == 1,
+              "rope_ (CUDA): x must be float32 [tokens, heads, head_dim] with unit stride in head_dim");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.dim() == 2 && cos.size(0) == x.size(0) &&
+              sin.sizes() == cos.sizes() && 2 * cos.size(1) <= x.size(2) && cos.scalar_type() == at::kFloat,
+              "rope_ (CUDA): cos/sin must be contiguous float32 [tokens, rot_dim / 2]");
+  const c10::cuda::CUDAGuard guard(x.device());
+  launch_rope(x.data_ptr<float>(), x.stride(0), x.stride(1), x.size(0), static_cast<int>(x.size(1)),
+              static_cast<int>(cos.size(1)), cos.data_ptr<float>(), sin.data_ptr<float>(), neox,
+              c10::cuda::getCurrentCUDAStream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+at::Tensor attention_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache,
+                          at::Tensor v_cache, const at::Tensor& positions, int64_t kv_len, int64_t window,
+                          double scale) {
+  const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = k.size(1);
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1 && q.scalar_type() == at::kFloat &&
+              k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat && Hq % Hkv == 0 &&
+              D <= attention_max_head_dim(), "attention (CUDA): float32 q/k/v with unit stride, head_dim <= ",
+              attention_max_head_dim());
+  const bool half_cache = k_cache.scalar_type() == at::kHalf;
+  TORCH_CHECK((half_cache || k_cache.scalar_type() == at::kFloat) && v_cache.scalar_type() == k_cache.scalar_type() &&
+              k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.size(0) == Hkv && k_cache.size(2) == D,
+              "attention (CUDA): the cache must be contiguous float16/float32 [Hkv, n_ctx, D]");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.size(0) == T,
+              "attention (CUDA): positions must be int64 [T]");
+  TORCH_CHECK(kv_len >= 1 && kv_len <= attention_max_kv() && kv_len <= k_cache.size(1),
+              "attention (CUDA): kv_len must be 1..", attention_max_kv());
+  const c10::cuda::CUDAGuard guard(q.device());
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  const int64_t n_ctx = k_cache.size(1);
+  launch_kv_store(k.data_ptr<float>(), v.data_ptr<float>(), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                  k_cache.data_ptr(), v_cache.data_ptr(), half_cache, positions.data_ptr<int64_t>(), T,
+                  static_cast<int>(Hkv), n_ctx, static_cast<int>(D), stream);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  auto out = at::empty({T, Hq * D}, q.options());
+  if (T == 0) return out;
+  launch_attention(q.data_ptr<float>(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(), half_cache,
+                   positions.data_ptr<int64_t>(), T, static_cast<int>(Hq), static_cast<int>(Hkv), n_ctx,
+                   static_cast<int>(D), kv_len, window, static_cast<float>(scale), out.data_ptr<float>(), stream);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
+}
+
+at::Tensor rms_norm_cuda(const at::Tensor& x, const at::Tensor& w, double eps) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat && x.is_contiguous() &&
+              w.is_contiguous() && w.dim() == 1 && x.size(-1) == w.size(0), "rms_norm (CUDA): float32, matching sizes");
+  const c10::cuda::CUDAGuard guard(x.device());
+  auto y = at::empty_like(x);
+  const int64_t D = x.size(-1);
+  launch_rms_norm(x.data_ptr<float>(), w.data_ptr<float>(), y.data_ptr<float>(), D ? x.numel() / D : 0, D,
+                  static_cast<float>(eps), c10::cuda::getCurrentCUDAStream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return y;
+}
+
+at::Tensor gated_act_cuda(const at::Tensor& gate, const at::Tensor& up, int64_t act, bool act_on_up) {
+  TORCH_CHECK(gate.dim() == 2 && gate.sizes() == up.sizes() && gate.stride(1) == 1 && up.stride(1) == 1 &&
+              gate.scalar_type() == at::kFloat && up.scalar_type() == at::kFloat && act >= 0 && act <= 3,
+              "gated_act (CUDA): float32 [T, N] with unit stride in N, activation id 0-3");
+  const c10::cuda::CUDAGuard guard(gate.device());
+  auto y = at::empty(gate.sizes(), gate.options());
+  launch_gated_act(gate.data_ptr<float>(), gate.stride(0), up.data_ptr<float>(), up.stride(0), y.data_ptr<float>(),
+                   gate.size(0), gate.size(1), static_cast<int>(act), act_on_up, c10::cuda::getCurrentCUDAStream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return y;
+}
+
 bool has_cuda() { return true; }
 
 }  // namespace hs
@@ -104,5 +189,9 @@ TORCH_LIBRARY_IMPL(hybridsparse, CUDA, m) {
   m.impl("qmatmul", &hs::qmatmul_cuda);
   m.impl("sparse_rowdot", &hs::sparse_rowdot_cuda);
   m.impl("sparse_axpy", &hs::sparse_axpy_cuda);
+  m.impl("rope_", &hs::rope_cuda);
+  m.impl("attention", &hs::attention_cuda);
+  m.impl("rms_norm", &hs::rms_norm_cuda);
+  m.impl("gated_act", &hs::gated_act_cuda);
 }
 #endif  // HS_WITH_CUDA

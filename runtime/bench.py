@@ -320,12 +320,15 @@ def _random_weight(qtype, rows: int, cols: int) -> torch.Tensor:
 
 
 def _time(f, reps: int, cuda: bool = False) -> float:
-    """Median seconds per call. On the GPU the calls are captured in a CUDA graph (as the runtime
+    """Median seconds per call; on the CPU each call after reading 256 MiB (more than any L3), so the
+    rows come from memory. On the GPU the calls are captured in a CUDA graph (as the runtime
     runs them) and replayed, so the figure is the kernels' time, not Python's launch overhead."""
     f()
-    if not cuda:
+    if not cuda:  # rows read from DRAM, not from a cache warmed by the previous call
+        flush = torch.ones((256 << 20) // 4)
         times = []
         for _ in range(reps):
+            flush.sum()
             t = time.perf_counter()
             f()
             times.append(time.perf_counter() - t)

@@ -184,7 +184,7 @@ class GGUFFile:
         if qtype not in GGML_QUANT_SIZES:
             raise GGUFError(f"{self.path}: tensor {name}: type {qtype.name} has no known block size")
         block, block_bytes = GGML_QUANT_SIZES[qtype]
-        if any(d == 0 for d in shape) or shape[0] % block:
+        if shape[0] % block:  # (an empty tensor is allowed: a GPU index's empty gpu_bucket)
             raise GGUFError(f"{self.path}: tensor {name}: shape {list(shape)} is not a whole number of "
                             f"{qtype.name} blocks of {block}")
         n = 1
@@ -229,4 +229,8 @@ class GGUFFile:
         return flat.view(info.rows, info.row_bytes)
 
     def close(self) -> None:
-        self._mm.close()
+        """Unmap now, unless tensors or metadata arrays still view the mapping (then it goes with them)."""
+        try:
+            self._mm.close()
+        except BufferError:
+            pass

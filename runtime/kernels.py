@@ -273,8 +273,16 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
 
 
+def use_cuda_op(*ts: torch.Tensor) -> bool:
+    """The fused CUDA layer ops (csrc/cuda_layers.cu) take float32 tensors on one GPU."""
+    return ts[0].is_cuda and _has_cuda_kernels() and all(t.dtype == torch.float32 and t.device == ts[0].device
+                                                          for t in ts)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x.is_cuda:
+        if use_cuda_op(x, weight) and weight.dim() == 1 and weight.shape[0] == x.shape[-1]:
+            return ops().rms_norm(x.contiguous(), weight.contiguous(), eps)
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     if ops() is not None:
         return cpu.rms_norm(x, weight, eps)

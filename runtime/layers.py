@@ -74,6 +74,8 @@ def ffn(x: torch.Tensor, w: FFNWeights, spec: FFNSpec) -> torch.Tensor:
             up = up + w.up_bias
         if kernels.use_cpu_op(gate):
             h = kernels.cpu.gated_act(gate, up, kernels.ACTIVATION_IDS[spec.activation], spec.act_on_up)
+        elif kernels.use_cuda_op(gate, up) and gate.dim() == 2 and gate.stride(1) == 1 and up.stride(1) == 1:
+            h = kernels.ops().gated_act(gate, up, kernels.ACTIVATION_IDS[spec.activation], spec.act_on_up)
         else:
             h = gated_act_reference(gate, up, spec)
     else:
@@ -113,6 +115,9 @@ class Rotary:
         cos, sin = step.rope[key]
         if kernels.use_cpu_op(x) and x.is_contiguous():
             kernels.cpu.rope_(x, cos[:, 0], sin[:, 0], self.style == "neox")
+            return x
+        if kernels.use_cuda_op(x, cos) and x.dim() == 3 and x.stride(-1) == 1:
+            kernels.ops().rope_(x, cos[:, 0], sin[:, 0], self.style == "neox")
             return x
         return self.apply_reference(x, cos, sin)
 
@@ -170,7 +175,17 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, st
     Grouped-query heads share one KV head each without copying the cache."""
     if kernels.use_cpu_op(q) and cache.k.dtype == torch.float32:
         return kernels.cpu.attention(q, k, v, cache.k, cache.v, step.positions, step.kv_len, window or 0, scale)
+    if q.shape[0] <= CUDA_ATTENTION_MAX_TOKENS and kernels.use_cuda_op(q, k, v) \
+            and cache.k.dtype in (torch.float16, torch.float32) and q.shape[2] <= 256 \
+            and 1 <= step.kv_len <= CUDA_ATTENTION_MAX_KV \
+            and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and step.positions.is_cuda:
+        # decode: one kernel stores k/v, one attends (prefill keeps SDPA's tiled kernels)
+        return kernels.ops().attention(q, k, v, cache.k, cache.v, step.positions, step.kv_len, window or 0, scale)
     return attend_reference(q, k, v, cache, step, window, scale)
+
+
+CUDA_ATTENTION_MAX_TOKENS = 8
+CUDA_ATTENTION_MAX_KV = 8192  # csrc/cuda_layers.cu: ATT_MAX_KV (scores in shared memory)
 
 
 def attend_reference(q, k, v, cache: KVCache, step: Step, window: int | None, scale: float) -> torch.Tensor:

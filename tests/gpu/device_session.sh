@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU-machine sessions in stages, each of which fits a 10-minute call (results land in $OUT):
-#   HS_STAGES=tests,small bash tests/gpu/device_session.sh
-#   tests: build, GPU + kernel tests, kernel benchmarks (CUDA; CPU with 16 threads by prefetch mode)
+#   HS_STAGES=tests,kcuda,kcpu,small,split bash tests/gpu/device_session.sh
+#   tests: build, GPU + kernel tests; kcuda / kcpu: kernel benchmarks (CPU: 16 threads; by software
+#   prefetch mode too with HS_PREFETCH_MODES="0 1 2")
 #   small: decode of a Gemma-3-270M-shaped and a Llama-7B-shaped model all on the GPU
 #   split: the 13B layer split (-ngl 11) and CPU-only
 set -uo pipefail
@@ -20,7 +21,11 @@ STAGES=",${HS_STAGES:-tests,small},"
 if [[ $STAGES == *,tests,* ]]; then
   python3 -m pytest -q -x tests/gpu tests/test_sparse_ops.py tests/test_quants.py tests/test_architectures.py 2>&1 \
     | tee "$OUT/pytest.txt" | tail -15
+fi
+if [[ $STAGES == *,kcuda,* ]]; then
   hs-bench kernels --device cuda --reps 5 --json "$OUT/kernels-h200-cuda.json" 2>&1 | tail -60
+fi
+if [[ $STAGES == *,kcpu,* ]]; then
   for pf in ${HS_PREFETCH_MODES:-}; do  # software prefetch modes side by side (csrc/cpu_matmul.cpp)
     echo "HS_PREFETCH=$pf"
     HS_PREFETCH=$pf MB_THREADS=1,16 MB_CPU_ONLY=1 PYTHONPATH="${PYTHONPATH:-}:$PWD/tests" python3 tests/gpu/microbench.py 2>&1

@@ -1,0 +1,193 @@
+"""hs-solve: place a model's neurons under a VRAM budget (ILP, CBC) and write the GPU index.
+
+  hs-solve --vram-budget 11 [-m MODEL] [--profile DIR] [--measure] [--reset-gpu-index]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from hybridsparse.profiler.activations import load_profile, profile_hash
+from hybridsparse.runtime.cli import run_main
+from hybridsparse.runtime.errors import InputError, ModelError
+
+from .gpuidx import default_index_path, model_fingerprint, read_index, stale_reason, write_index
+from .plan import GiB, SOLVER_VERSION, Hardware, LayerShape, Problem, solve
+
+FFN_PARTS = ("ffn_up", "ffn_gate", "ffn_down")
+
+
+def model_problem(model_path: Path, profile_dir: Path, vram_budget: int, hw: Hardware, n_ctx: int,
+                  group: int) -> Problem:
+    """Shapes and stored sizes from the GGUF (nothing read but its header), frequencies from the profile."""
+    from hybridsparse.runtime.gguf_file import GGUFFile
+    g = GGUFFile(model_path)
+    try:
+        arch = g.architecture
+        n_layers = g.require(f"{arch}.block_count")
+        if "token_embd.weight" not in g.tensors:
+            raise ModelError(f"{model_path}: tensor token_embd.weight is missing")
+        d_model = g.tensors["token_embd.weight"].shape[0]
+        n_heads = g.get(f"{arch}.attention.head_count", 1) or 1
+        n_kv = g.get(f"{arch}.attention.head_count_kv", n_heads) or n_heads
+        head_dim = g.get(f"{arch}.attention.key_length", d_model // n_heads)
+        profile = load_profile(profile_dir)
+        if len(profile.counts) != n_layers:
+            raise InputError(f"{profile_dir}: the profile has {len(profile.counts)} layers, {model_path.name} has "
+                             f"{n_layers}: it was made for another model")
+        freqs = profile.frequencies()
+        layers = []
+        for i in range(n_layers):
+            prefix = f"blk.{i}."
+            ffn = {n: t for n, t in g.tensors.items() if n.startswith(prefix) and n[len(prefix):].split(".")[0] in
+                   (*FFN_PARTS, "ffn_down_t") and n.endswith(".weight")}
+            up = g.tensors.get(prefix + "ffn_up.weight")
+            if up is None:
+                raise ModelError(f"{model_path}: tensor {prefix}ffn_up.weight is missing")
+            n_ff = up.rows
+            if len(freqs[i]) != n_ff:
+                raise InputError(f"{profile_dir}: layer {i} of the profile has {len(freqs[i])} neurons, the model "
+                                 f"{n_ff}: it was made for another model")
+            pred = sum(t.nbytes for n, t in g.tensors.items() if n.startswith(prefix + "fc"))
+            rest = sum(t.nbytes for n, t in g.tensors.items() if n.startswith(prefix)) - pred - \
+                sum(t.nbytes for t in ffn.values())
+            layers.append(LayerShape(n_ff, sum(t.nbytes for t in ffn.values()) // n_ff, rest,
+                                     2 * n_ctx * n_kv * head_dim * 2, pred, freqs[i].numpy()))
+        head = g.tensors.get("output.weight") or g.tensors["token_embd.weight"]
+        head_bytes = head.nbytes + sum(t.nbytes for n, t in g.tensors.items() if n.startswith("output_norm"))
+        return Problem(layers, head_bytes, d_model, vram_budget, hw, group,
+                       activation_bytes=max(64 << 20, 16 * (d_model + max(l.n_ff for l in layers)) * 4 * 512))
+    finally:
+        g.close()
+
+
+def measure_hardware(args) -> Hardware:
+    """Read bandwidths measured here (--measure) or given; PCIe hand-over latency measured if CUDA."""
+    import time
+
+    import torch
+
+    from hybridsparse.runtime.bench import measure_bandwidth_gib_s
+    gpu_bw = args.gpu_bandwidth * GiB
+    cpu_bw = args.cpu_bandwidth * GiB
+    sync = args.sync_us * 1e-6
+    pcie_bw = args.pcie_bandwidth * GiB
+    if args.measure:
+        cpu_bw = measure_bandwidth_gib_s("cpu") * GiB
+        if torch.cuda.is_available():
+            gpu_bw = measure_bandwidth_gib_s("cuda") * GiB
+            x = torch.zeros(args.d_model_probe, device="cuda")
+            host = torch.zeros(args.d_model_probe, pin_memory=True)
+            for _ in range(3):
+                host.copy_(x)
+            times = []
+            for _ in range(50):
+                t = time.perf_counter()
+                host.copy_(x)
+                x.copy_(host, non_blocking=False)
+                times.append(time.perf_counter() - t)
+            sync = float(np.median(times))
+        print(f"hs-solve: measured CPU {cpu_bw / GiB:.1f} GiB/s, GPU {gpu_bw / GiB:.1f} GiB/s, "
+              f"hand-over {sync * 1e6:.1f} us", file=sys.stderr)
+    budget = args.pcie_budget * (1 << 20) if args.pcie_budget else None
+    return Hardware(gpu_bw, cpu_bw, sync, pcie_bw, budget)
+
+
+def default_budget_gib() -> float:
+    import torch
+    if not torch.cuda.is_available():
+        raise InputError("--vram-budget is required without a CUDA GPU (it is the GPU memory to plan for, GiB)")
+    free, _ = torch.cuda.mem_get_info()
+    return max(0.0, free / GiB - 0.5)
+
+
+def print_plan(plan, problem: Problem, out=None) -> None:
+    out = out or sys.stdout
+    r = plan.report
+    print(f"{'layer':>5} {'GPU neurons':>15} {'attn':>5} {'GPU ms':>8} {'CPU ms':>8}  split", file=out)
+    for L in r["layers"]:
+        print(f"{L['layer']:>5} {L['gpu_neurons']:>7}/{L['n_ff']:<7} {'GPU' if L['attn_gpu'] else 'CPU':>5} "
+              f"{L['gpu_ms']:8.3f} {L['cpu_ms']:8.3f}  {'yes' if L['split'] else ''}", file=out)
+    print(f"head on {'GPU' if r['head_gpu'] else 'CPU'}; {r['syncs_per_token']} CPU<->GPU hand-overs per token, "
+          f"{r['pcie_bytes_per_token'] / 1024:.1f} KiB over PCIe", file=out)
+    print(f"solver: {plan.method} ({plan.status}, {plan.solve_s:.2f} s); predicted {r['ms_per_token']:.2f} ms/token "
+          f"= {r['tokens_per_s']:.1f} tokens/s; VRAM {r['vram_bytes'] / GiB:.2f} of {problem.vram_budget / GiB:.2f} GiB",
+          file=out)
+    print(f"activation mass served by the GPU (PowerInfer's objective): {100 * r['gpu_activation_share']:.1f}%; "
+          f"greedy plan: {r['greedy_ms_per_token']:.2f} ms/token, {100 * r['greedy_gpu_activation_share']:.1f}%",
+          file=out)
+
+
+def _main(args) -> int:
+    from hybridsparse.runtime.loader import default_model_path
+    model = Path(args.model) if args.model else default_model_path()
+    if not model.is_file():
+        raise InputError(f"{model}: no such model file")
+    profile_dir = Path(args.profile) if args.profile else model.with_name(model.stem + ".hs-profile")
+    budget_gib = args.vram_budget if args.vram_budget is not None else default_budget_gib()
+    budget = int(budget_gib * GiB)
+    index_path = Path(args.index) if args.index else default_index_path(model)
+    expect = {"model_fingerprint": model_fingerprint(model), "profile_hash": profile_hash(profile_dir),
+              "vram_budget": budget, "solver_version": SOLVER_VERSION, "group": args.group, "n_ctx": args.ctx_size}
+    if index_path.exists() and not args.reset_gpu_index:
+        index = read_index(index_path)
+        reason = stale_reason(index, expect, budget)
+        if reason is None:
+            print(f"hs-solve: {index_path} matches this model, profile and budget; reusing it "
+                  "(--reset-gpu-index solves again)", file=sys.stderr)
+            return 0
+        print(f"hs-solve: {index_path} is stale ({reason}); solving again", file=sys.stderr)
+    hw = measure_hardware(args)
+    problem = model_problem(model, profile_dir, budget, hw, args.ctx_size, args.group)
+    plan = solve(problem, args.time_limit, "greedy" if args.greedy else "ilp")
+    print_plan(plan, problem)
+    meta = {**expect, "attn_gpu": plan.attn_gpu, "head_gpu": plan.head_gpu, "method": plan.method,
+            "predicted_tokens_per_s": plan.report["tokens_per_s"], "gpu_bandwidth": hw.gpu_bw,
+            "cpu_bandwidth": hw.cpu_bw, "sync_s": hw.sync_s, "model": str(model)}
+    write_index(index_path, plan.gpu_neurons(problem), [l.n_ff for l in problem.layers], budget, meta)
+    print(f"hs-solve: wrote {index_path}", file=sys.stderr)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"plan": plan.report, "meta": meta}, indent=2, default=float))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="hs-solve", description="Place hot neurons on the GPU under a VRAM budget "
+                                 "(ILP solved by CBC) and write <model>.generated.gpuidx.")
+    ap.add_argument("-m", "--model", help="GGUF model (default: the embedded Gemma 3 270M)")
+    ap.add_argument("--profile", help="activation profile directory from hs-profile (default: <model>.hs-profile)")
+    ap.add_argument("--vram-budget", type=float, help="GiB of GPU memory to use, everything counted "
+                    "(default: free VRAM minus 0.5 GiB)")
+    ap.add_argument("-c", "--ctx-size", type=int, default=4096, help="context for the KV cache (default: %(default)s)")
+    ap.add_argument("--group", type=int, default=64, help="neurons per placement unit (default: %(default)s)")
+    ap.add_argument("--measure", action="store_true", help="measure CPU/GPU read bandwidth and the CPU<->GPU "
+                    "hand-over here instead of the given figures")
+    ap.add_argument("--gpu-bandwidth", type=float, default=800.0, help="GPU read GiB/s (default: %(default)s)")
+    ap.add_argument("--cpu-bandwidth", type=float, default=50.0, help="CPU read GiB/s (default: %(default)s)")
+    ap.add_argument("--pcie-bandwidth", type=float, default=25.0, help="PCIe GiB/s (default: %(default)s)")
+    ap.add_argument("--sync-us", type=float, default=20.0, help="one CPU<->GPU hand-over, microseconds "
+                    "(default: %(default)s)")
+    ap.add_argument("--pcie-budget", type=float, help="MiB per token allowed over PCIe (default: no limit)")
+    ap.add_argument("--time-limit", type=float, default=30.0, help="CBC time limit, s; the best plan found by "
+                    "then is used (default: %(default)s)")
+    ap.add_argument("--greedy", action="store_true", help="skip the ILP: the greedy plan")
+    ap.add_argument("-o", "--index", help="GPU index to write (default: <model>.generated.gpuidx)")
+    ap.add_argument("--reset-gpu-index", action="store_true", help="solve again even if a matching index exists "
+                    "(after an out-of-memory error, say)")
+    ap.add_argument("--json", help="also write the plan as JSON here")
+    ap.add_argument("--verbose", action="store_true")
+    ap.set_defaults(d_model_probe=4096)
+    return ap
+
+
+def main(argv=None) -> int:
+    return run_main("hs-solve", _main, argv, build_parser())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,84 @@
+"""The fused CUDA layer ops (csrc/cuda_layers.cu) against their pure-torch twins: rotary (NEOX and
+NORM, partial rotary dims, strided views), attention over float16 and float32 caches (GQA, sliding
+window, several tokens), RMSNorm, every gated activation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available")
+
+from hybridsparse.runtime import kernels  # noqa: E402
+from hybridsparse.runtime.layers import (ACTIVATIONS, FFNSpec, KVCache, Rotary, Step, attend_reference,  # noqa: E402
+                                         gated_act_reference)
+
+
+@pytest.fixture(autouse=True)
+def _kernels_built():
+    if not kernels._has_cuda_kernels():
+        pytest.fail("the CUDA kernels did not build on a machine with CUDA")
+
+
+@pytest.mark.parametrize("style", ["neox", "norm"])
+@pytest.mark.parametrize("rot_dim", [64, 32])
+def test_rope_on_a_strided_view(style, rot_dim):
+    rope = Rotary(rot_dim, 10000.0, 64, style).to("cuda")
+    qkv = torch.randn(3, (4 + 2 + 2) * 64, device="cuda")
+    q = qkv[:, :4 * 64].view(3, 4, 64)  # a view into the fused projection output, as the models have it
+    positions = torch.tensor([5, 6, 40], device="cuda")
+    cos, sin = rope.cos[positions].unsqueeze(1), rope.sin[positions].unsqueeze(1)
+    ref = rope.apply_reference(q.clone(), cos, sin)
+    out = rope.apply(q, Step(positions, 41))
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(qkv[:, :4 * 64].view(3, 4, 64), ref)  # in place
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("tokens,window,n_q,n_kv,D", [(1, None, 8, 8, 64), (1, None, 8, 2, 128), (3, None, 4, 1, 256),
+                                                     (1, 16, 4, 2, 64), (4, 8, 4, 4, 80)])
+def test_attention(cache_dtype, tokens, window, n_q, n_kv, D):
+    n_ctx, past = 64, 37
+    g = torch.Generator(device="cuda").manual_seed(0)
+    a, b = KVCache(n_kv, D, n_ctx, "cuda", cache_dtype), KVCache(n_kv, D, n_ctx, "cuda", cache_dtype)
+    for c in (a, b):  # the same history in both
+        torch.manual_seed(1)
+        c.k[:, :past] = torch.randn(n_kv, past, D, device="cuda").to(cache_dtype)
+        c.v[:, :past] = torch.randn(n_kv, past, D, device="cuda").to(cache_dtype)
+    q = torch.randn(tokens, n_q, D, device="cuda", generator=g)
+    k = torch.randn(tokens, n_kv, D, device="cuda", generator=g)
+    v = torch.randn(tokens, n_kv, D, device="cuda", generator=g)
+    positions = torch.arange(past, past + tokens, device="cuda")
+    kv_len = 64  # a graph bucket larger than the filled part: the causal rule must hold on the device
+    if n_kv == 1:  # and a long cache: more positions than threads per block
+        n_ctx = kv_len = past = 2000
+        a, b = KVCache(n_kv, D, n_ctx + 8, "cuda", cache_dtype), KVCache(n_kv, D, n_ctx + 8, "cuda", cache_dtype)
+        for c in (a, b):
+            torch.manual_seed(1)
+            c.k[:, :past] = torch.randn(n_kv, past, D, device="cuda").to(cache_dtype)
+            c.v[:, :past] = torch.randn(n_kv, past, D, device="cuda").to(cache_dtype)
+        positions = torch.arange(past - tokens, past, device="cuda")
+    ref = attend_reference(q, k, v, a, Step(positions, kv_len), window, D ** -0.5)
+    out = kernels.ops().attention(q, k, v, b.k, b.v, positions, kv_len, window or 0, D ** -0.5)
+    tol = 2e-3 if cache_dtype == torch.float16 else 1e-5
+    torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
+    torch.testing.assert_close(b.k, a.k)
+    torch.testing.assert_close(b.v, a.v)
+
+
+@pytest.mark.parametrize("D", [640, 4096, 5120, 100])
+def test_rms_norm(D):
+    x, w = torch.randn(3, D, device="cuda"), torch.randn(D, device="cuda")
+    torch.testing.assert_close(kernels.rms_norm(x, w, 1e-6), kernels.rms_norm_reference(x, w, 1e-6),
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("activation,act_on_up", [("silu", False), ("relu", False), ("relu", True), ("gelu", False),
+                                                  ("gelu_erf", False)])
+def test_gated_act(activation, act_on_up):
+    gu = torch.randn(2, 2 * 300, device="cuda") * 3
+    gate, up = gu[:, :300], gu[:, 300:]  # views of a fused gate/up output
+    out = kernels.ops().gated_act(gate, up, kernels.ACTIVATION_IDS[activation], act_on_up)
+    ref = gated_act_reference(gate, up, FFNSpec(activation, act_on_up=act_on_up))
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)  # fast-math exp/tanh: ~3e-5
+    assert set(kernels.ACTIVATION_IDS) == set(ACTIVATIONS)

@@ -1,0 +1,152 @@
+"""The placement ILP against brute force, its budgets, the GPU index file (PowerInfer's layout),
+stale-index detection, --reset-gpu-index and bad inputs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from hybridsparse.profiler.activations import load_profile, save_profile
+from hybridsparse.runtime.errors import InputError
+from hybridsparse.solver import cli
+from hybridsparse.solver.gpuidx import read_index, write_index
+from hybridsparse.solver.plan import (GiB, Hardware, LayerShape, Problem, evaluate, solve, solve_brute_force,
+                                      solve_greedy, solve_ilp)
+
+MiB = 1 << 20
+
+
+def tiny_problem(seed, budget_extra_mib, sync_us=20.0, pcie_budget=None):
+    rng = np.random.default_rng(seed)
+    layers = []
+    for _ in range(2):
+        freq = np.sort(rng.pareto(1.5, 12) / 10).clip(0, 1)  # power law
+        layers.append(LayerShape(n_ff=12, neuron_bytes=int(rng.integers(2, 6)) * MiB, attn_bytes=int(rng.integers(5, 40)) * MiB,
+                                 kv_bytes=4 * MiB, predictor_bytes=MiB, freq=freq))
+    hw = Hardware(gpu_bw=900e9, cpu_bw=60e9, sync_s=sync_us * 1e-6, pcie_budget=pcie_budget)
+    p = Problem(layers, head_bytes=30 * MiB, d_model=1024, vram_budget=0, hw=hw, group=4)
+    p.vram_budget = p.fixed_vram() + budget_extra_mib * MiB
+    p.vram_budget = int((p.fixed_vram() + budget_extra_mib * MiB) / 0.97)  # the margin is 3% of the budget
+    return p
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("extra", [0, 20, 60, 200])
+def test_ilp_equals_brute_force_and_respects_the_budget(seed, extra):
+    p = tiny_problem(seed, extra, sync_us=[0, 20, 500][seed % 3])
+    ilp, brute = solve_ilp(p), solve_brute_force(p)
+    r_ilp, r_brute = evaluate(p, ilp), evaluate(p, brute)
+    assert ilp.status == "Optimal"
+    assert r_ilp["ms_per_token"] == pytest.approx(r_brute["ms_per_token"], rel=1e-6, abs=1e-9)
+    assert r_ilp["vram_bytes"] <= p.vram_budget
+    greedy = evaluate(p, solve_greedy(p))
+    assert greedy["vram_bytes"] <= p.vram_budget
+    assert r_ilp["ms_per_token"] <= greedy["ms_per_token"] + 1e-9
+
+
+def test_pcie_budget_limits_hand_overs():
+    p = tiny_problem(1, 60, sync_us=0.0, pcie_budget=0)
+    plan = solve_ilp(p)
+    assert evaluate(p, plan)["syncs_per_token"] == 0
+    assert evaluate(p, plan)["ms_per_token"] == pytest.approx(evaluate(p, solve_brute_force(p))["ms_per_token"])
+
+
+def test_budget_below_the_fixed_buffers_is_refused():
+    p = tiny_problem(0, 0)
+    p.vram_budget = 100 * MiB
+    with pytest.raises(InputError, match=r"--vram-budget 0.10 GiB is below .* use at least"):
+        solve(p)
+
+
+def test_ilp_failure_falls_back_to_greedy_and_says_so(monkeypatch):
+    import pulp
+    p = tiny_problem(2, 60)
+    monkeypatch.setattr(pulp, "PULP_CBC_CMD", lambda **kw: (_ for _ in ()).throw(RuntimeError("no cbc")))
+    plan = solve(p)
+    assert plan.method == "greedy" and "greedy fallback" in plan.status and "no cbc" in plan.status
+
+
+def test_index_round_trip_in_powerinfer_layout(tmp_path):
+    import gguf
+    ids = [np.array([5, 1, 7]), np.array([], dtype=np.int64), np.arange(10)]
+    path = write_index(tmp_path / "m.generated.gpuidx", ids, [10, 10, 10], 3 * GiB, {"profile_hash": "x"})
+    assert path.read_bytes()[:4] == b"PWRI"
+    idx = read_index(path)
+    assert [list(a) for a in idx.gpu_neurons] == [[1, 5, 7], [], list(range(10))]
+    assert idx.vram_capacity == 3 * GiB and idx.meta == {"profile_hash": "x"}
+    # as PowerInfer's exporter writes it (no hybridsparse keys): gguf's writer, magic patched
+    w = gguf.GGUFWriter(str(tmp_path / "pi.gpuidx"), "generic.gpu_index")
+    w.add_uint32("generic.gpu_index.block_count", 1)
+    w.add_uint64("split.vram_capacity", 5 * GiB)
+    w.add_tensor("blk.0.gpu_idx", np.array([0, 1, 1, 0], dtype=np.int32))
+    w.add_tensor("blk.0.gpu_bucket", np.array([1, 2], dtype=np.int32))
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    with open(tmp_path / "pi.gpuidx", "r+b") as fh:
+        fh.write(b"PWRI")
+    pi = read_index(tmp_path / "pi.gpuidx")
+    assert [list(a) for a in pi.gpu_neurons] == [[1, 2]] and pi.meta == {}
+
+
+def test_corrupt_index_is_one_clear_error(tmp_path):
+    path = write_index(tmp_path / "x.gpuidx", [np.array([1])], [4], GiB, {})
+    data = path.read_bytes()
+    (tmp_path / "t.gpuidx").write_bytes(data[: len(data) // 2])
+    with pytest.raises(InputError, match=r"t.gpuidx: corrupt GPU index .* --reset-gpu-index"):
+        read_index(tmp_path / "t.gpuidx")
+
+
+def test_activation_files_sorted_by_layer_number(tmp_path):
+    counts = [torch.full((4,), float(i)) for i in range(12)]
+    save_profile(tmp_path, counts, tokens=100, meta={})
+    prof = load_profile(tmp_path)
+    assert [int(c[0]) for c in prof.counts] == list(range(12))  # not 0, 1, 10, 11, 2, ...
+    (tmp_path / "activation" / "activation_3.pt").unlink()
+    with pytest.raises(InputError, match=r"layers \[3\] are missing"):
+        load_profile(tmp_path)
+    with pytest.raises(InputError, match="no activation profile"):
+        load_profile(tmp_path / "nowhere")
+
+
+@pytest.fixture
+def relu_model(tmp_path):
+    from tiny_models import tiny_llama
+    path = tiny_llama(tmp_path / "relu.gguf", act="relu", layers=3)
+    from hybridsparse.runtime.gguf_file import GGUFFile
+    g = GGUFFile(path)
+    n_ff = g.tensors["blk.0.ffn_up.weight"].rows
+    g.close()
+    gen = torch.Generator().manual_seed(0)
+    save_profile(tmp_path / "relu.hs-profile", [torch.rand(n_ff, generator=gen) ** 3 * 1000 for _ in range(3)],
+                 tokens=1000, meta={})
+    return path
+
+
+def test_hs_solve_end_to_end_caches_and_resets(relu_model, capsys):
+    args = ["-m", str(relu_model), "--vram-budget", "0.7", "--group", "8"]
+    assert cli.main(args) == 0
+    out = capsys.readouterr()
+    assert "predicted" in out.out and "wrote" in out.err
+    index = relu_model.with_name("relu.generated.gpuidx")
+    idx = read_index(index)
+    assert len(idx.gpu_neurons) == 3 and idx.vram_capacity == int(0.7 * GiB)
+    assert cli.main(args) == 0
+    assert "reusing it" in capsys.readouterr().err
+    assert cli.main(args + ["--reset-gpu-index"]) == 0
+    assert "wrote" in capsys.readouterr().err
+    # a different budget or profile makes the cached index stale: solved again, said so
+    assert cli.main(["-m", str(relu_model), "--vram-budget", "0.8", "--group", "8"]) == 0
+    assert "stale" in capsys.readouterr().err
+    torch.save(torch.ones(5), relu_model.with_name("relu.hs-profile") / "activation" / "activation_0.pt")
+    assert cli.main(args) == 1
+    assert "layer 0 of the profile has 5 neurons" in capsys.readouterr().err
+
+
+def test_hs_solve_bad_inputs(relu_model, tmp_path, capsys):
+    assert cli.main(["-m", str(relu_model), "--vram-budget", "0.1"]) == 1
+    assert "is below" in capsys.readouterr().err
+    assert cli.main(["-m", str(relu_model), "--vram-budget", "4", "--profile", str(tmp_path / "none")]) == 1
+    assert "no activation profile" in capsys.readouterr().err
+    relu_model.with_name("relu.generated.gpuidx").write_bytes(b"GGUF\x03\x00\x00\x00garbage")
+    assert cli.main(["-m", str(relu_model), "--vram-budget", "4"]) == 1
+    assert "corrupt GPU index" in capsys.readouterr().err
