@@ -3,9 +3,11 @@ PYTHON ?= python3
 PIP ?= $(PYTHON) -m pip
 MODEL ?=
 ARGS ?=
+TOKENS ?= 50000
+VRAM ?= 11
 model_flag = $(if $(MODEL),-m $(MODEL),)
 
-.PHONY: install demo run test test-gpu bench clean
+.PHONY: install demo run test test-gpu bench profile solve clean
 
 install:  ## install the package (editable) and build the compiled kernels
 	$(PIP) install -e '.[test]'
@@ -25,6 +27,12 @@ test-gpu:  ## the GPU tests alone (on a CUDA machine)
 
 bench:  ## decode/prefill speed of hs-run (JSON under bench-results/)
 	hs-bench run $(model_flag) $(ARGS)
+
+profile:  ## make profile MODEL=path.gguf [TOKENS=50000]: activation counts + plot next to the model
+	hs-profile $(model_flag) --tokens $(TOKENS) --plot $(ARGS)
+
+solve:  ## make solve MODEL=path.gguf [VRAM=11]: place neurons under the VRAM budget, write the GPU index
+	hs-solve $(model_flag) --vram-budget $(VRAM) $(ARGS)
 
 clean:
 	rm -rf build *.egg-info .pytest_cache

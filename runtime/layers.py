@@ -67,7 +67,15 @@ def gated_act_reference(gate: torch.Tensor, up: torch.Tensor, spec: FFNSpec) -> 
     return act(gate) * (act(up) if spec.act_on_up else up)
 
 
+# Set by the profiler: called as probe(weights, x, score, h) for every FFN evaluation, where `score`
+# is what the activity criterion looks at (act(gate), or act(up) without a gate) and h the values
+# the down projection weighs.
+FFN_PROBE = None
+
+
 def ffn(x: torch.Tensor, w: FFNWeights, spec: FFNSpec) -> torch.Tensor:
+    if FFN_PROBE is not None:
+        return _probed_ffn(x, w, spec)
     if spec.gated:
         gate, up = linear_many(x, [w.gate, w.up])
         if w.up_bias is not None:
@@ -80,10 +88,28 @@ def ffn(x: torch.Tensor, w: FFNWeights, spec: FFNSpec) -> torch.Tensor:
             h = gated_act_reference(gate, up, spec)
     else:
         h = ACTIVATIONS[spec.activation](linear(x, w.up, w.up_bias))
+    return _down(h, w)
+
+
+def _down(h: torch.Tensor, w: FFNWeights) -> torch.Tensor:
     if w.down_transposed:
         y = linear_t(h, w.down)
         return y + w.down_bias if w.down_bias is not None else y
     return linear(h, w.down, w.down_bias)
+
+
+def _probed_ffn(x: torch.Tensor, w: FFNWeights, spec: FFNSpec) -> torch.Tensor:
+    act = ACTIVATIONS[spec.activation]
+    if spec.gated:
+        gate, up = linear_many(x, [w.gate, w.up])
+        if w.up_bias is not None:
+            up = up + w.up_bias
+        score = act(gate)
+        h = score * (act(up) if spec.act_on_up else up)
+    else:
+        score = h = act(linear(x, w.up, w.up_bias))
+    FFN_PROBE(w, x, score, h)
+    return _down(h, w)
 
 
 # --- rotary embeddings ---------------------------------------------------------------------------
