@@ -7,7 +7,7 @@ TOKENS ?= 50000
 VRAM ?= 11
 model_flag = $(if $(MODEL),-m $(MODEL),)
 
-.PHONY: install demo run test test-gpu bench profile solve clean
+.PHONY: install demo run test test-gpu bench profile train-predictor solve clean
 
 install:  ## install the package (editable) and build the compiled kernels
 	$(PIP) install -e '.[test]'
@@ -30,6 +30,10 @@ bench:  ## decode/prefill speed of hs-run (JSON under bench-results/)
 
 profile:  ## make profile MODEL=path.gguf [TOKENS=50000]: activation counts + plot next to the model
 	hs-profile $(model_flag) --tokens $(TOKENS) --plot $(ARGS)
+
+train-predictor:  ## make train-predictor MODEL=path.gguf: profile with samples, then train the predictors
+	hs-profile $(model_flag) --tokens $(TOKENS) --samples $(TOKENS) $(ARGS)
+	hs-train-predictor $(model_flag)
 
 solve:  ## make solve MODEL=path.gguf [VRAM=11]: place neurons under the VRAM budget, write the GPU index
 	hs-solve $(model_flag) --vram-budget $(VRAM) $(ARGS)
