@@ -7,7 +7,7 @@ TOKENS ?= 50000
 VRAM ?= 11
 model_flag = $(if $(MODEL),-m $(MODEL),)
 
-.PHONY: install demo run test test-gpu bench profile train-predictor solve clean
+.PHONY: install demo run test test-gpu bench profile train-predictor solve relu-model clean
 
 install:  ## install the package (editable) and build the compiled kernels
 	$(PIP) install -e '.[test]'
@@ -37,6 +37,9 @@ train-predictor:  ## make train-predictor MODEL=path.gguf: profile with samples,
 
 solve:  ## make solve MODEL=path.gguf [VRAM=11]: place neurons under the VRAM budget, write the GPU index
 	hs-solve $(model_flag) --vram-budget $(VRAM) $(ARGS)
+
+relu-model:  ## train the project's small ReLU Llama (~7 min on 2 cores; cached under ~/.cache/hybridsparse/models)
+	$(PYTHON) -m hybridsparse.predictor_training.relu_model $(ARGS)
 
 clean:
 	rm -rf build *.egg-info .pytest_cache
