@@ -1,6 +1,7 @@
 """hs-train-predictor: one activation predictor per layer, `fc2(relu(fc1(x)))`, no biases.
 
-Trained on the (FFN input, active mask) samples hs-profile --samples wrote: class-weighted BCE,
+Trained on the (FFN input, active mask) samples hs-profile --samples wrote (and reported on the
+samples of held-out documents it wrote beside them, when there are some): class-weighted BCE,
 AdamW, batch 1024, up to --epochs epochs, early stop when the predicted density at the recall
 target stops improving on the held-out tenth (Deja Vu's recipe). Adaptive width: for each layer the
 smallest hidden width r (from --widths) whose predicted density at the recall target is within
@@ -42,14 +43,15 @@ class LayerResult:
     params: int
     fc1: torch.Tensor
     fc2: torch.Tensor
+    heldout: bool = False  # the figures are on held-out documents (else on the held-out tenth of samples)
 
     def row(self) -> dict:
         return {k: getattr(self, k) for k in ("layer", "width", "threshold", "recall", "precision",
-                                              "predicted_density", "true_density", "params")}
+                                              "predicted_density", "true_density", "params", "heldout")}
 
 
-def load_samples(profile_dir: Path, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-    d = profile_dir / "samples" / f"layer_{layer}"
+def load_samples(profile_dir: Path, layer: int, part: str = "samples") -> tuple[torch.Tensor, torch.Tensor]:
+    d = profile_dir / part / f"layer_{layer}"
     shards = sorted(d.glob("shard_*.pt"))
     if not shards:
         raise InputError(f"{d}: no training samples (run hs-profile with --samples N first)")
@@ -147,6 +149,13 @@ def train(profile_dir: Path, n_layers: int, d_model: int, n_ff: list[int], width
                 chosen = r
             if r.predicted_density <= slack * max(true_density, 1e-6) or params > per_layer_budget:
                 break  # the smallest width that is good enough (or the largest the budget allows)
+        if (profile_dir / "samples_heldout" / f"layer_{layer}").is_dir():  # text never trained on
+            hx, hpacked = load_samples(profile_dir, layer, "samples_heldout")
+            hmask = torch.from_numpy(np.unpackbits(hpacked.numpy(), axis=1)[:, :n_ff[layer]].astype(bool))
+            m = evaluate(chosen.fc1, chosen.fc2, hx.float(), hmask, chosen.threshold)
+            chosen.recall, chosen.precision = m["recall"], m["precision"]
+            chosen.predicted_density, chosen.true_density = m["predicted_density"], m["true_density"]
+            chosen.heldout = True
         results.append(chosen)
         log(f"layer {layer:3d}: width {chosen.width:5d}  recall {chosen.recall:.3f}  precision {chosen.precision:.3f}  "
             f"predicted density {chosen.predicted_density:.3f} vs true {chosen.true_density:.3f}")

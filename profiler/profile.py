@@ -7,7 +7,8 @@ value is not zero; others (SwiGLU, GeGLU, GELU): |act(gate)| (or |act(up)| witho
 per-layer threshold calibrated on the first tokens so that `--sparsity` of the neurons are inactive
 on average (CATS/TEAL style); the thresholds are stored with the profile so the runtime applies the
 same rule. Writes DIR/activation/activation_N.pt (PowerInfer's layout), DIR/profile.json, and with
---samples, the predictor-training set (FFN input, active mask) in shards under DIR/samples/.
+--samples, the predictor-training set (FFN input, active mask) in shards under DIR/samples/ plus a
+tenth as many from the held-out documents under DIR/samples_heldout/ (the predictors' test set).
 """
 
 from __future__ import annotations
@@ -99,7 +100,8 @@ def run_tokens(lm, texts: list[str], budget: int, ctx: int, desc: str) -> int:
 
 
 def profile(lm, texts: list[str], tokens: int, ctx: int, sparsity: float, calib_tokens: int,
-            sample_dir: Path | None = None, max_samples: int = 0) -> tuple[list[torch.Tensor], int, list]:
+            sample_dir: Path | None = None, max_samples: int = 0,
+            heldout: list[str] | None = None) -> tuple[list[torch.Tensor], int, list]:
     relu = lm.model.config.ffn_variant in ("relu", "drelu", "relu_nogate")
     thresholds: list[float | None]
     try:
@@ -115,6 +117,12 @@ def profile(lm, texts: list[str], tokens: int, ctx: int, sparsity: float, calib_
         n = run_tokens(lm, texts, tokens, ctx, "profiling")
         for i in range(len(probe.buffers)):
             probe.flush(i)
+        if sample_dir is not None and heldout:  # samples of text the predictors never train on
+            extra = Counter(lm.model, thresholds, sample_dir.with_name("samples_heldout"), max(1, max_samples // 10))
+            L.FFN_PROBE = extra
+            run_tokens(lm, heldout, max(1, max_samples // 10), ctx, "held-out samples")
+            for i in range(len(extra.buffers)):
+                extra.flush(i)
     finally:
         L.FFN_PROBE = None
     if n == 0:
@@ -165,7 +173,7 @@ def _main(args) -> int:
     t0 = time.perf_counter()
     sample_dir = out / "samples" if args.samples else None
     counts, n, thresholds = profile(lm, calib, args.tokens, args.batch, args.sparsity, args.calib_tokens,
-                                    sample_dir, args.samples)
+                                    sample_dir, args.samples, heldout)
     dt = time.perf_counter() - t0
     relu = thresholds[0] is None
     density = [float(c.sum()) / (n * len(c)) for c in counts]
