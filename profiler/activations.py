@@ -90,9 +90,9 @@ def load_profile(root: str | Path) -> Profile:
     return Profile(counts, tokens, meta)
 
 
-def profile_hash(root: str | Path) -> str:
+def profile_hash(profile: Profile) -> str:
     """Of the counts (what a placement depends on), whatever the files' other bytes."""
     h = hashlib.sha256()
-    for c in load_profile(root).counts:
+    for c in profile.counts:
         h.update(c.double().numpy().tobytes())
     return h.hexdigest()[:16]

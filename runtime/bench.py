@@ -402,9 +402,7 @@ def _kernels(args) -> int:
                       + (f"  mask-rowdot {entry['rowdot_mask_gib_s']:7.1f}" if cuda else "")
                       + (f"  torch gather+GEMV {entry['torch_gather_gemv_gib_s']:7.1f}  torch dense "
                          f"{entry['torch_dense_gemv_gib_s']:7.1f}" if is_float else ""), flush=True)
-    m = machine()
-    result = {"machine": {**m, "device": args.device, "read_bandwidth_gib_s": round(bw, 1),
-                          "cpu_read_bandwidth_gib_s": round(bw, 1) if not cuda else None},
+    result = {"machine": {**machine(), "device": args.device, "read_bandwidth_gib_s": round(bw, 1)},
               "threads": args.threads, "results": rows_out}
     print(f"read bandwidth {bw:.1f} GiB/s ({args.device}" + (f", {args.threads} threads)" if not cuda else ")"))
     if args.json:

@@ -340,10 +340,7 @@ def sparse_rowdot(data: torch.Tensor, qtype: Q, x: torch.Tensor, idx: torch.Tens
     if _cuda_sparse_ok(data, qtype, x.shape[0]):
         return ops().sparse_rowdot(data, int(qtype), x.contiguous(), idx, mask)
     if use_cpu_op(x) and qtype in CPU_QTYPES:
-        idx = None if idx is None else idx.contiguous()
-        if mask is not None:
-            return cpu.sparse_rowdot(data, int(qtype), x, idx, mask)
-        return cpu.qmatmul_rows([data], [int(qtype)], x, [idx])[0]
+        return cpu.sparse_rowdot(data, int(qtype), x, None if idx is None else idx.contiguous(), mask)
     return sparse_rowdot_reference(data, qtype, x, idx, mask)
 
 

@@ -74,42 +74,29 @@ FFN_PROBE = None
 
 
 def ffn(x: torch.Tensor, w: FFNWeights, spec: FFNSpec) -> torch.Tensor:
-    if FFN_PROBE is not None:
-        return _probed_ffn(x, w, spec)
+    probe = FFN_PROBE
     if spec.gated:
         gate, up = linear_many(x, [w.gate, w.up])
         if w.up_bias is not None:
             up = up + w.up_bias
-        if kernels.use_cpu_op(gate):
+        if probe is not None:  # the profiler needs act(gate) on its own
+            act = ACTIVATIONS[spec.activation]
+            score = act(gate)
+            h = score * (act(up) if spec.act_on_up else up)
+        elif kernels.use_cpu_op(gate):
             h = kernels.cpu.gated_act(gate, up, kernels.ACTIVATION_IDS[spec.activation], spec.act_on_up)
         elif kernels.use_cuda_op(gate, up) and gate.dim() == 2 and gate.stride(1) == 1 and up.stride(1) == 1:
             h = kernels.ops().gated_act(gate, up, kernels.ACTIVATION_IDS[spec.activation], spec.act_on_up)
         else:
             h = gated_act_reference(gate, up, spec)
     else:
-        h = ACTIVATIONS[spec.activation](linear(x, w.up, w.up_bias))
-    return _down(h, w)
-
-
-def _down(h: torch.Tensor, w: FFNWeights) -> torch.Tensor:
+        h = score = ACTIVATIONS[spec.activation](linear(x, w.up, w.up_bias))
+    if probe is not None:
+        probe(w, x, score, h)
     if w.down_transposed:
         y = linear_t(h, w.down)
         return y + w.down_bias if w.down_bias is not None else y
     return linear(h, w.down, w.down_bias)
-
-
-def _probed_ffn(x: torch.Tensor, w: FFNWeights, spec: FFNSpec) -> torch.Tensor:
-    act = ACTIVATIONS[spec.activation]
-    if spec.gated:
-        gate, up = linear_many(x, [w.gate, w.up])
-        if w.up_bias is not None:
-            up = up + w.up_bias
-        score = act(gate)
-        h = score * (act(up) if spec.act_on_up else up)
-    else:
-        score = h = act(linear(x, w.up, w.up_bias))
-    FFN_PROBE(w, x, score, h)
-    return _down(h, w)
 
 
 # --- rotary embeddings ---------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hybridsparse.profiler.activations import load_profile, profile_hash
+from hybridsparse.profiler.activations import Profile, load_profile, profile_hash
 from hybridsparse.runtime.cli import run_main
 from hybridsparse.runtime.errors import InputError, ModelError
 
@@ -22,8 +22,8 @@ from .plan import GiB, SOLVER_VERSION, Hardware, LayerShape, Problem, solve
 FFN_PARTS = ("ffn_up", "ffn_gate", "ffn_down")
 
 
-def model_problem(model_path: Path, profile_dir: Path, vram_budget: int, hw: Hardware, n_ctx: int,
-                  group: int) -> Problem:
+def model_problem(model_path: Path, profile_dir: Path, profile: Profile, vram_budget: int, hw: Hardware,
+                  n_ctx: int, group: int) -> Problem:
     """Shapes and stored sizes from the GGUF (nothing read but its header), frequencies from the profile."""
     from hybridsparse.runtime.gguf_file import GGUFFile
     g = GGUFFile(model_path)
@@ -36,7 +36,6 @@ def model_problem(model_path: Path, profile_dir: Path, vram_budget: int, hw: Har
         n_heads = g.get(f"{arch}.attention.head_count", 1) or 1
         n_kv = g.get(f"{arch}.attention.head_count_kv", n_heads) or n_heads
         head_dim = g.get(f"{arch}.attention.key_length", d_model // n_heads)
-        profile = load_profile(profile_dir)
         if len(profile.counts) != n_layers:
             raise InputError(f"{profile_dir}: the profile has {len(profile.counts)} layers, {model_path.name} has "
                              f"{n_layers}: it was made for another model")
@@ -132,7 +131,8 @@ def _main(args) -> int:
     budget_gib = args.vram_budget if args.vram_budget is not None else default_budget_gib()
     budget = int(budget_gib * GiB)
     index_path = Path(args.index) if args.index else default_index_path(model)
-    expect = {"model_fingerprint": model_fingerprint(model), "profile_hash": profile_hash(profile_dir),
+    profile = load_profile(profile_dir)
+    expect = {"model_fingerprint": model_fingerprint(model), "profile_hash": profile_hash(profile),
               "vram_budget": budget, "solver_version": SOLVER_VERSION, "group": args.group, "n_ctx": args.ctx_size}
     if index_path.exists() and not args.reset_gpu_index:
         index = read_index(index_path)
@@ -143,7 +143,7 @@ def _main(args) -> int:
             return 0
         print(f"hs-solve: {index_path} is stale ({reason}); solving again", file=sys.stderr)
     hw = measure_hardware(args)
-    problem = model_problem(model, profile_dir, budget, hw, args.ctx_size, args.group)
+    problem = model_problem(model, profile_dir, profile, budget, hw, args.ctx_size, args.group)
     plan = solve(problem, args.time_limit, "greedy" if args.greedy else "ilp")
     print_plan(plan, problem)
     meta = {**expect, "attn_gpu": plan.attn_gpu, "head_gpu": plan.head_gpu, "method": plan.method,
