@@ -161,6 +161,8 @@ def measure(runners: list, reps: int) -> list[dict]:
 def _run(args) -> int:
     from .loader import default_model_path
     model = Path(args.model) if args.model else default_model_path()
+    if args.n_gpu_layers is None:
+        args.n_gpu_layers = -1
     device = "cuda" if torch.cuda.is_available() and args.n_gpu_layers != 0 else "cpu"
     result = {"machine": machine(), "prompt_tokens": args.prompt_tokens, "generated_tokens": args.n_predict,
               "reps": args.reps, "results": []}

@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from .errors import HybridSparseError
+from .errors import HybridSparseError, InputError
 
 
 def default_threads() -> int:
@@ -25,7 +25,7 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
                     help="CPU threads for generation (default: %(default)s, the cores available)")
     ap.add_argument("-c", "--ctx-size", type=int, default=4096,
                     help="context size in tokens (default: %(default)s; 0 = the model's training context)")
-    ap.add_argument("-ngl", "--n-gpu-layers", "--gpu-layers", type=int, default=-1, dest="n_gpu_layers",
+    ap.add_argument("-ngl", "--n-gpu-layers", "--gpu-layers", type=int, default=None, dest="n_gpu_layers",
                     help="layers on the GPU, counted from the last (llama.cpp's rule); more than the layer "
                     "count also puts the output head there (default: -1 = all when CUDA is present)")
     ap.add_argument("--device", default=None, help="GPU to use, e.g. cuda:1 (default: cuda when present)")
@@ -89,7 +89,49 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-display-prompt", action="store_true", help="do not echo the prompt before the output")
     ap.add_argument("--no-escape", action="store_true", help="do not process escapes (\\n, \\t) in the prompt")
     ap.add_argument("--no-graphs", action="store_true", help="do not capture CUDA graphs for decoding")
+    add_hybrid_args(ap)
     return ap
+
+
+def add_hybrid_args(ap: argparse.ArgumentParser) -> None:
+    """The hybrid CPU/GPU sparse runtime's flags (PowerInfer's names where it has them)."""
+    g = ap.add_argument_group("hybrid sparse runtime (on when any of these is given, or when the model has "
+                              "predictors and -ngl is not)")
+    g.add_argument("--vram-budget", type=float, default=None, metavar="GiB",
+                   help="GPU memory to use, everything counted (default: all free VRAM minus 0.5 GiB; 0 = CPU only)")
+    g.add_argument("--reset-gpu-index", action="store_true",
+                   help="solve the neuron placement again (after an out-of-memory error, say)")
+    g.add_argument("--disable-gpu-index", action="store_true",
+                   help="keep the FFNs off the GPU: only the dense blocks (attention, head) go there")
+    g.add_argument("--dense", action="store_true", help="no predictors: every neuron, exact, same placement")
+    g.add_argument("--oracle", action="store_true", help="the true active set from a dense gate/up pass "
+                   "(diagnostics: what perfect predictors would give)")
+    g.add_argument("--predictors", help="predictor file or PowerInfer predictor folder "
+                   "(default: <model>.predictors.gguf, else the model's own blk.N.fc1/fc2)")
+    g.add_argument("--profile", help="activation profile directory (default: <model>.hs-profile)")
+    g.add_argument("--gpu-index", help="GPU index file (default: <model>.generated.gpuidx)")
+
+
+def hybrid_options(args, model_path):
+    """HybridOptions from the flags, or None for the dense runtime (-ngl)."""
+    from pathlib import Path
+
+    from .hybrid import HybridOptions, load_predictors_available
+    asked = (args.vram_budget is not None or args.reset_gpu_index or args.disable_gpu_index or args.dense
+             or args.oracle or args.predictors or args.gpu_index)
+    if args.dense and args.oracle:
+        raise ValueError("--dense and --oracle exclude each other")
+    if asked and args.n_gpu_layers is not None:
+        raise ValueError("-ngl places whole layers, --vram-budget & co. place neurons: pass one or the other")
+    if not asked and (args.n_gpu_layers is not None or not load_predictors_available(Path(model_path))):
+        return None
+    if args.vram_budget is not None and args.vram_budget < 0:
+        raise ValueError(f"--vram-budget must be >= 0 GiB, got {args.vram_budget}")
+    return HybridOptions(vram_budget=args.vram_budget, mode="dense" if args.dense else "oracle" if args.oracle
+                         else "predictor", predictors=args.predictors, profile=args.profile,
+                         gpu_index=args.gpu_index, reset_gpu_index=args.reset_gpu_index,
+                         disable_gpu_index=args.disable_gpu_index, n_ctx=args.ctx_size if args.ctx_size > 0 else 4096,
+                         device=args.device)
 
 
 def _run(args) -> int:
@@ -107,7 +149,15 @@ def _run(args) -> int:
         prompt = args.prompt if args.prompt is not None else "Once upon a time"
     if not args.no_escape:
         prompt = codecs.decode(prompt.encode("utf-8"), "unicode_escape").encode("latin-1").decode("utf-8")
-    lm = open_model(args.model, args.n_gpu_layers, args.device)
+    from .loader import resolve_model_path
+    model_path = resolve_model_path(args.model)
+    hybrid = hybrid_options(args, model_path)
+    try:
+        lm = open_model(model_path, -1 if args.n_gpu_layers is None else args.n_gpu_layers,
+                        None if hybrid is not None else args.device, hybrid=hybrid,
+                        log_line=lambda line: print(f"hs-run: {line}", file=sys.stderr))
+    except torch.OutOfMemoryError:
+        raise InputError(out_of_memory_advice(args)) from None
     n_ctx = args.ctx_size if args.ctx_size > 0 else lm.model.config.n_ctx_train
     if args.ctx_size < 0:
         raise ValueError(f"-c/--ctx-size must be >= 0, got {args.ctx_size}")
@@ -117,9 +167,12 @@ def _run(args) -> int:
     if not args.no_display_prompt:
         sys.stdout.write(prompt)
         sys.stdout.flush()
-    for piece in gen.generate(ids, args.n_predict, sampler, args.stop):
-        sys.stdout.write(piece)
-        sys.stdout.flush()
+    try:
+        for piece in gen.generate(ids, args.n_predict, sampler, args.stop):
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+    except torch.OutOfMemoryError:
+        raise InputError(out_of_memory_advice(args)) from None
     sys.stdout.write("\n")
     t = gen.timings
     print(f"\nhs-run: model {lm.gguf.path.name} ({lm.model.config.arch}), {args.threads} threads, "
@@ -127,6 +180,14 @@ def _run(args) -> int:
     for line in t.summary().splitlines():
         print(f"hs-run: {line}", file=sys.stderr)
     return 0
+
+
+def out_of_memory_advice(args) -> str:
+    budget = getattr(args, "vram_budget", None)
+    if budget is not None or getattr(args, "n_gpu_layers", None) is None:
+        return ("CUDA out of memory under the GPU index's placement: run again with --reset-gpu-index, or a lower "
+                f"--vram-budget (now {budget if budget is not None else 'all free VRAM'}), or a smaller -c")
+    return f"CUDA out of memory with -ngl {args.n_gpu_layers}: put fewer layers on the GPU or use a smaller -c"
 
 
 def main(argv=None) -> int:

@@ -87,7 +87,8 @@ class Generator:
         self.cache = self.model.new_cache(self.n_ctx)
         self.n_past = 0
         p = self.model.placement
-        all_gpu = p.head.type == "cuda" and p.embed.type == "cuda" and all(d.type == "cuda" for d in p.layers)
+        all_gpu = p.head.type == "cuda" and p.embed.type == "cuda" and all(d.type == "cuda" for d in p.layers) \
+            and self.model.capturable()
         self._graphs = _DecodeGraphs(self.model, self.cache, self.n_ctx, p.head) \
             if (self.use_graphs and all_gpu) else None
 

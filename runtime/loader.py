@@ -23,21 +23,33 @@ def default_model_path() -> Path:
     return path if path.exists() else pkg.assemble()
 
 
+def resolve_model_path(path: str | Path | None) -> Path:
+    return Path(path) if path is not None else default_model_path()
+
+
 @dataclass
 class LoadedModel:
     gguf: GGUFFile
     model: CausalLM
     tokenizer: Tokenizer
+    hybrid_report: dict | None = None
 
 
-def open_model(path: str | Path | None, n_gpu_layers: int = -1, device: str | None = None) -> LoadedModel:
-    """n_gpu_layers: llama.cpp's -ngl (negative: everything on the GPU when CUDA is present)."""
+def open_model(path: str | Path | None, n_gpu_layers: int = -1, device: str | None = None,
+               hybrid=None, log_line=None) -> LoadedModel:
+    """n_gpu_layers: llama.cpp's -ngl (negative: everything on the GPU when CUDA is present).
+    hybrid: `hybrid.HybridOptions` to run the FFNs split by neuron (the GPU index) instead."""
     gguf = GGUFFile(path if path is not None else default_model_path())
     model = load_model(gguf)
     tokenizer = Tokenizer(gguf)
+    if hybrid is not None:
+        from .hybrid import setup_hybrid
+        lm = LoadedModel(gguf, model, tokenizer)
+        lm.hybrid_report = setup_hybrid(model, Path(gguf.path), hybrid, log_line or log.info)
+        return lm
     gpu = torch.device(device) if device else (torch.device("cuda") if torch.cuda.is_available() else None)
     if gpu is not None and gpu.type == "cpu":
         gpu = None
-    n = model.config.n_layers + 1 if n_gpu_layers < 0 else n_gpu_layers
+    n = model.config.n_layers + 1 if n_gpu_layers is None or n_gpu_layers < 0 else n_gpu_layers
     model.place(n, gpu)
     return LoadedModel(gguf, model, tokenizer)

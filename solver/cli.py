@@ -27,6 +27,8 @@ def model_problem(model_path: Path, profile_dir: Path, profile: Profile, vram_bu
     """Shapes and stored sizes from the GGUF (nothing read but its header), frequencies from the profile."""
     from hybridsparse.runtime.gguf_file import GGUFFile
     g = GGUFFile(model_path)
+    side_path = model_path.with_name(model_path.stem + ".predictors.gguf")
+    side = GGUFFile(side_path) if side_path.is_file() else None  # predictors kept beside the model
     try:
         arch = g.architecture
         n_layers = g.require(f"{arch}.block_count")
@@ -53,16 +55,38 @@ def model_problem(model_path: Path, profile_dir: Path, profile: Profile, vram_bu
                 raise InputError(f"{profile_dir}: layer {i} of the profile has {len(freqs[i])} neurons, the model "
                                  f"{n_ff}: it was made for another model")
             pred = sum(t.nbytes for n, t in g.tensors.items() if n.startswith(prefix + "fc"))
-            rest = sum(t.nbytes for n, t in g.tensors.items() if n.startswith(prefix)) - pred - \
-                sum(t.nbytes for t in ffn.values())
-            layers.append(LayerShape(n_ff, sum(t.nbytes for t in ffn.values()) // n_ff, rest,
-                                     2 * n_ctx * n_kv * head_dim * 2, pred, freqs[i].numpy()))
+            if not pred and side is not None:
+                pred = sum(t.nbytes for n, t in side.tensors.items() if n.startswith(prefix + "fc"))
+            attn = [t for n, t in g.tensors.items() if n.startswith(prefix) and n not in ffn
+                    and not n.startswith(prefix + "fc")]
+            layers.append(LayerShape(n_ff, sum(t.nbytes for t in ffn.values()) // n_ff, sum(t.nbytes for t in attn),
+                                     2 * n_ctx * n_kv * head_dim * 2, pred, freqs[i].numpy(),
+                                     vram_neuron_bytes=sum(_gpu_nbytes(t) for t in ffn.values()) // n_ff,
+                                     vram_attn_bytes=sum(_gpu_nbytes(t) for t in attn)))
         head = g.tensors.get("output.weight") or g.tensors["token_embd.weight"]
-        head_bytes = head.nbytes + sum(t.nbytes for n, t in g.tensors.items() if n.startswith("output_norm"))
-        return Problem(layers, head_bytes, d_model, vram_budget, hw, group,
-                       activation_bytes=max(64 << 20, 16 * (d_model + max(l.n_ff for l in layers)) * 4 * 512))
+        norms = [t for n, t in g.tensors.items() if n.startswith("output_norm")]
+        return Problem(layers, head.nbytes + sum(t.nbytes for t in norms), d_model, vram_budget, hw, group,
+                       activation_bytes=max(64 << 20, 16 * (d_model + max(l.n_ff for l in layers)) * 4 * 512),
+                       vram_head_bytes=_gpu_nbytes(head) + sum(_gpu_nbytes(t) for t in norms))
     finally:
         g.close()
+        if side is not None:
+            side.close()
+
+
+def _gpu_nbytes(t) -> int:
+    """Bytes a tensor takes on the GPU: as stored where the CUDA kernels read its format, else float16
+    (the runtime dequantizes those once when it places them); 1-D tensors (norms, biases) as float32."""
+    from hybridsparse.runtime import kernels
+    from hybridsparse.runtime.quants import FLOAT_TYPES
+    n = 1
+    for d in t.shape:
+        n *= d
+    if len(t.shape) == 1:
+        return 4 * n
+    if t.qtype in FLOAT_TYPES or t.qtype in kernels.CUDA_SPARSE_QTYPES:
+        return t.nbytes
+    return 2 * n
 
 
 def measure_hardware(args) -> Hardware:
@@ -122,6 +146,38 @@ def print_plan(plan, problem: Problem, out=None) -> None:
           file=out)
 
 
+def ensure_index(model: Path, profile_dir: Path, budget: int, n_ctx: int = 4096, group: int = 64,
+                 reset: bool = False, hw: Hardware | None = None, time_limit: float = 30.0, greedy: bool = False,
+                 index_path: Path | None = None, json_out: str | None = None, out=None, tag: str = "hs-solve"):
+    """The GPU index for (model, profile, budget): the cached one if it matches, else solved and written.
+    Returns (GpuIndex, solved: bool)."""
+    out = out or sys.stderr
+    index_path = index_path or default_index_path(model)
+    profile = load_profile(profile_dir)
+    expect = {"model_fingerprint": model_fingerprint(model), "profile_hash": profile_hash(profile),
+              "vram_budget": budget, "solver_version": SOLVER_VERSION, "group": group, "n_ctx": n_ctx}
+    if index_path.exists() and not reset:
+        index = read_index(index_path)
+        reason = stale_reason(index, expect, budget)
+        if reason is None:
+            print(f"{tag}: {index_path} matches this model, profile and budget; reusing it "
+                  "(--reset-gpu-index solves again)", file=out)
+            return index, False
+        print(f"{tag}: {index_path} is stale ({reason}); solving again", file=out)
+    hw = hw or Hardware(800.0 * GiB, 50.0 * GiB, 20e-6)
+    problem = model_problem(model, profile_dir, profile, budget, hw, n_ctx, group)
+    plan = solve(problem, time_limit, "greedy" if greedy else "ilp")
+    print_plan(plan, problem, out=out if tag != "hs-solve" else None)
+    meta = {**expect, "attn_gpu": plan.attn_gpu, "head_gpu": plan.head_gpu, "method": plan.method,
+            "predicted_tokens_per_s": plan.report["tokens_per_s"], "gpu_bandwidth": hw.gpu_bw,
+            "cpu_bandwidth": hw.cpu_bw, "sync_s": hw.sync_s, "model": str(model)}
+    write_index(index_path, plan.gpu_neurons(problem), [l.n_ff for l in problem.layers], budget, meta)
+    print(f"{tag}: wrote {index_path}", file=out)
+    if json_out:
+        Path(json_out).write_text(json.dumps({"plan": plan.report, "meta": meta}, indent=2, default=float))
+    return read_index(index_path), True
+
+
 def _main(args) -> int:
     from hybridsparse.runtime.loader import default_model_path
     model = Path(args.model) if args.model else default_model_path()
@@ -129,30 +185,10 @@ def _main(args) -> int:
         raise InputError(f"{model}: no such model file")
     profile_dir = Path(args.profile) if args.profile else model.with_name(model.stem + ".hs-profile")
     budget_gib = args.vram_budget if args.vram_budget is not None else default_budget_gib()
-    budget = int(budget_gib * GiB)
-    index_path = Path(args.index) if args.index else default_index_path(model)
-    profile = load_profile(profile_dir)
-    expect = {"model_fingerprint": model_fingerprint(model), "profile_hash": profile_hash(profile),
-              "vram_budget": budget, "solver_version": SOLVER_VERSION, "group": args.group, "n_ctx": args.ctx_size}
-    if index_path.exists() and not args.reset_gpu_index:
-        index = read_index(index_path)
-        reason = stale_reason(index, expect, budget)
-        if reason is None:
-            print(f"hs-solve: {index_path} matches this model, profile and budget; reusing it "
-                  "(--reset-gpu-index solves again)", file=sys.stderr)
-            return 0
-        print(f"hs-solve: {index_path} is stale ({reason}); solving again", file=sys.stderr)
+    load_profile(profile_dir)  # a missing profile is the first thing to say
     hw = measure_hardware(args)
-    problem = model_problem(model, profile_dir, profile, budget, hw, args.ctx_size, args.group)
-    plan = solve(problem, args.time_limit, "greedy" if args.greedy else "ilp")
-    print_plan(plan, problem)
-    meta = {**expect, "attn_gpu": plan.attn_gpu, "head_gpu": plan.head_gpu, "method": plan.method,
-            "predicted_tokens_per_s": plan.report["tokens_per_s"], "gpu_bandwidth": hw.gpu_bw,
-            "cpu_bandwidth": hw.cpu_bw, "sync_s": hw.sync_s, "model": str(model)}
-    write_index(index_path, plan.gpu_neurons(problem), [l.n_ff for l in problem.layers], budget, meta)
-    print(f"hs-solve: wrote {index_path}", file=sys.stderr)
-    if args.json:
-        Path(args.json).write_text(json.dumps({"plan": plan.report, "meta": meta}, indent=2, default=float))
+    ensure_index(model, profile_dir, int(budget_gib * GiB), args.ctx_size, args.group, args.reset_gpu_index, hw,
+                 args.time_limit, args.greedy, Path(args.index) if args.index else None, args.json)
     return 0
 
 

@@ -41,6 +41,16 @@ class LayerShape:
     kv_bytes: int  # K and V cache (float16) for the context
     predictor_bytes: int
     freq: np.ndarray  # P(active) per neuron
+    vram_neuron_bytes: int = 0  # as held on the GPU (formats the CUDA kernels lack become F16); 0: as stored
+    vram_attn_bytes: int = 0
+
+    @property
+    def gpu_neuron_bytes(self) -> int:
+        return self.vram_neuron_bytes or self.neuron_bytes
+
+    @property
+    def gpu_attn_bytes(self) -> int:
+        return self.vram_attn_bytes or self.attn_bytes
 
 
 @dataclass
@@ -61,7 +71,12 @@ class Problem:
     hw: Hardware
     group: int = 64
     activation_bytes: int = 64 << 20
+    vram_head_bytes: int = 0  # 0: head_bytes
     _groups: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def gpu_head_bytes(self) -> int:
+        return self.vram_head_bytes or self.head_bytes
 
     def fixed_vram(self) -> int:
         return CUDA_CONTEXT_BYTES + CUBLAS_WORKSPACE_BYTES + self.activation_bytes + int(MARGIN * self.vram_budget)
@@ -119,7 +134,7 @@ def evaluate(problem: Problem, plan: Plan) -> dict:
         t = max(gpu, cpu) + hw.sync_s * (split + change)
         total += t
         prev_gpu = a
-        vram += a * (L.attn_bytes + L.kv_bytes + L.predictor_bytes) + int(sizes[:k].sum()) * L.neuron_bytes
+        vram += a * (L.gpu_attn_bytes + L.kv_bytes + L.predictor_bytes) + int(sizes[:k].sum()) * L.gpu_neuron_bytes
         gpu_mass += float(mass[:k].sum())
         total_mass += float(mass.sum())
         per_layer.append({"layer": l, "gpu_neurons": int(sizes[:k].sum()), "n_ff": L.n_ff, "attn_gpu": bool(a),
@@ -128,7 +143,7 @@ def evaluate(problem: Problem, plan: Plan) -> dict:
     change = prev_gpu is not None and prev_gpu != plan.head_gpu
     syncs += change
     total += head + hw.sync_s * change
-    vram += plan.head_gpu * problem.head_bytes
+    vram += plan.head_gpu * problem.gpu_head_bytes
     pcie = syncs * 2 * problem.d_model * 4
     return {"ms_per_token": total * 1e3, "tokens_per_s": 1.0 / total if total > 0 else float("inf"),
             "vram_bytes": int(vram), "vram_budget": problem.vram_budget, "syncs_per_token": int(syncs),
@@ -155,7 +170,7 @@ def solve_ilp(problem: Problem, time_limit: float = 30.0) -> Plan:
     a = [pulp.LpVariable(f"a{l}", cat="Binary") for l in range(n)]
     h = pulp.LpVariable("head", cat="Binary")
     y, t, s, c = [], [], [], []
-    vram = problem.fixed_vram() + h * problem.head_bytes
+    vram = problem.fixed_vram() + h * problem.gpu_head_bytes
     objective = problem.head_bytes / hw.cpu_bw + h * (problem.head_bytes / hw.gpu_bw - problem.head_bytes / hw.cpu_bw)
     for l, L in enumerate(problem.layers):
         _, mass, sizes = problem.groups(l)
@@ -170,8 +185,8 @@ def solve_ilp(problem: Problem, time_limit: float = 30.0) -> Plan:
         m += sl >= a[l] - yl[-1]
         m += sl >= yl[0] - a[l]
         objective += tl + hw.sync_s * sl
-        vram += a[l] * (L.attn_bytes + L.kv_bytes + L.predictor_bytes) + \
-            pulp.lpSum(yl[g] * int(sizes[g]) * L.neuron_bytes for g in range(len(yl)))
+        vram += a[l] * (L.gpu_attn_bytes + L.kv_bytes + L.predictor_bytes) + \
+            pulp.lpSum(yl[g] * int(sizes[g]) * L.gpu_neuron_bytes for g in range(len(yl)))
         y.append(yl), t.append(tl), s.append(sl)
     for l in range(n):  # the hidden state changes device between layers (and before the head)
         nxt = a[l + 1] if l + 1 < n else h
@@ -202,16 +217,16 @@ def solve_greedy(problem: Problem) -> Plan:
     n = len(problem.layers)
     attn = [False] * n
     for l, L in enumerate(problem.layers):
-        need = L.attn_bytes + L.kv_bytes + L.predictor_bytes
+        need = L.gpu_attn_bytes + L.kv_bytes + L.predictor_bytes
         if need <= free:
             attn[l], free = True, free - need
-    head = problem.head_bytes <= free and all(attn)
-    free -= head * problem.head_bytes
+    head = problem.gpu_head_bytes <= free and all(attn)
+    free -= head * problem.gpu_head_bytes
     cands = []
     for l, L in enumerate(problem.layers):
         _, mass, sizes = problem.groups(l)
         for g in range(len(sizes)):
-            cands.append((-(mass[g] / sizes[g]), l, g, int(sizes[g]) * L.neuron_bytes))
+            cands.append((-(mass[g] / sizes[g]), l, g, int(sizes[g]) * L.gpu_neuron_bytes))
     cands.sort()
     k = [0] * n
     for _, l, g, nbytes in cands:

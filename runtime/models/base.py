@@ -146,9 +146,18 @@ class CausalLM:
 
     def place(self, n_gpu_layers: int, gpu: torch.device | None) -> None:
         """Move layers to the GPU following llama.cpp's `-ngl` rule."""
-        self.placement = p = Placement.split(self.config.n_layers, n_gpu_layers, gpu)
+        self.apply_placement(Placement.split(self.config.n_layers, n_gpu_layers, gpu))
+
+    def apply_placement(self, p: Placement, ffn_builder=None, progress=None) -> None:
+        """Move each part to its device; `ffn_builder(i, ffn, device)`, when given, replaces each
+        layer's FFN first (the hybrid runtime's split FFN, which places its own rows)."""
+        self.placement = p
         self.embedding = self.embedding.to(p.embed)
-        self.layers = [self.move_layer(layer, dev) for layer, dev in zip(self.layers, p.layers)]
+        order = range(len(self.layers)) if progress is None else progress(range(len(self.layers)))
+        for i in order:
+            if ffn_builder is not None:
+                self.layers[i].ffn = ffn_builder(i, self.layers[i].ffn, p.layers[i])
+            self.layers[i] = self.move_layer(self.layers[i], p.layers[i])
         self.output = self.output.to(p.head)
         self.head = _move(self.head, p.head)
         self.rotary_by_device = {d: self.make_rotary(d) for d in p.devices}
@@ -160,6 +169,10 @@ class CausalLM:
             if hasattr(layer, "ffn"):
                 fuse_rows(layer.ffn, ("gate", "up"))
         return layer
+
+    def capturable(self) -> bool:
+        """Whether a decode step can be captured in a CUDA graph (no host work inside)."""
+        return all(getattr(getattr(layer, "ffn", None), "capturable", True) for layer in self.layers)
 
     def rotary(self, device: torch.device):
         if device not in self.rotary_by_device:

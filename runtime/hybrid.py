@@ -1,0 +1,504 @@
+"""The hybrid CPU/GPU sparse FFN: hot neurons on the fast device, cold neurons on the CPU.
+
+Per layer, the predictor (on the device that holds the hidden state) says which neurons each token
+activates. The fast device (the GPU; in tests a second CPU executor plays its role) computes the
+active neurons among its resident hot rows while the CPU computes the active cold rows, read in
+place from the memory-mapped model; the CPU's result is added on the hidden state's device.
+
+On CUDA one layer costs: the predictor and the hot part launched on the stream; one device-to-host
+copy of (x, the cold part of the mask) into pinned buffers; the CPU kernels; one host-to-device copy
+of the CPU's output. No copy at all when no cold neuron is active for the step's tokens.
+
+Modes: "predictor" (the trained predictors), "dense" (every neuron, exact, same placement),
+"oracle" (the true active set from a dense gate/up pass: for tests and diagnostics).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType as Q
+
+from . import kernels
+from .errors import InputError, ModelError
+from .layers import ACTIVATIONS, FFNSpec, FFNWeights, gated_act_reference
+from .quants import FLOAT_TYPES, dequantize
+from .weights import QWeight, linear, linear_many
+
+log = logging.getLogger(__name__)
+
+MODES = ("predictor", "dense", "oracle")
+
+
+@dataclass
+class LayerPredictor:
+    """logits = fc2(relu(fc1(x))); a neuron is predicted active where logits >= threshold."""
+    fc1: torch.Tensor  # [rank, d_model]
+    fc2: torch.Tensor  # [n_ff, rank]
+    threshold: float
+
+    def to(self, device: torch.device) -> "LayerPredictor":
+        dtype = torch.float16 if torch.device(device).type == "cuda" else torch.float32
+        return LayerPredictor(self.fc1.to(device, dtype), self.fc2.to(device, dtype), self.threshold)
+
+    def mask(self, x: torch.Tensor) -> torch.Tensor:
+        xx = x.to(self.fc1.dtype)
+        return F.linear(F.relu(F.linear(xx, self.fc1)), self.fc2) >= self.threshold
+
+
+def _pinned(shape, dtype) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, pin_memory=torch.cuda.is_available())
+
+
+class HybridFFN:
+    """One layer's FFN split by neuron between `fast` (hot rows, gathered once) and the CPU (cold rows,
+    read in place). Called by `layers.ffn` in place of the dense FFN."""
+
+    def __init__(self, w: FFNWeights, down_t: QWeight, spec: FFNSpec, hot: np.ndarray, fast: torch.device | None,
+                 predictor: LayerPredictor | None, mode: str, score_threshold: float | None = None):
+        if mode not in MODES:
+            raise ValueError(f"unknown sparse mode {mode!r}; known: {MODES}")
+        if mode == "predictor" and predictor is None:
+            raise ValueError("predictor mode needs a predictor")
+        n_ff = w.up.out_features
+        hot = np.asarray(hot, dtype=np.int64)
+        if hot.size and (hot.min() < 0 or hot.max() >= n_ff or np.unique(hot).size != hot.size):
+            raise InputError(f"GPU index: neuron ids must be distinct and below {n_ff}")
+        if fast is None:
+            hot = hot[:0]
+        cold = np.setdiff1d(np.arange(n_ff), hot)
+        self.spec, self.mode, self.n_ff = spec, mode, n_ff
+        self.score_threshold = score_threshold
+        self.full = w  # CPU, memory-mapped: the cold rows are read from here
+        self.down_t = down_t
+        self.predictor = predictor
+        self.fast = torch.device(fast) if fast is not None else None
+        self.n_hot, self.n_cold = int(hot.size), int(cold.size)
+        self.cold_ids = torch.from_numpy(cold.astype(np.int32))
+        self._cold_on: dict[torch.device, torch.Tensor] = {torch.device("cpu"): self.cold_ids.long()}
+        self._hot_on: dict[torch.device, torch.Tensor] = {}
+        self._pinned: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._event = None
+        if self.n_hot:
+            idx = torch.from_numpy(hot)
+            gather = (lambda q: None if q is None else QWeight(q.data[idx], q.qtype, q.in_features).to(self.fast))
+            self.gate_hot, self.up_hot, self.down_t_hot = gather(w.gate), gather(w.up), gather(down_t)
+            self.up_bias_hot = None if w.up_bias is None else w.up_bias[idx].to(self.fast)
+            self._hot_on[torch.device("cpu")] = idx
+            self._hot_on[self.fast] = idx.to(self.fast)
+
+    # --- placement facts -------------------------------------------------------------------------
+
+    @property
+    def capturable(self) -> bool:
+        """No host work in a step: nothing cold to compute and no dense pass for an oracle."""
+        return self.n_cold == 0 and self.mode != "oracle"
+
+    @property
+    def gpu_bytes(self) -> int:
+        if not self.n_hot or self.fast.type != "cuda":
+            return 0
+        return sum(q.nbytes for q in (self.gate_hot, self.up_hot, self.down_t_hot) if q is not None)
+
+    def place_predictor(self, device: torch.device) -> None:
+        if self.predictor is not None:
+            self.predictor = self.predictor.to(device)
+
+    # --- the active set --------------------------------------------------------------------------
+
+    def active(self, x: torch.Tensor) -> torch.Tensor | None:
+        """bool [T, n_ff] on x's device, or None for every neuron."""
+        if self.mode == "dense":
+            return None
+        if self.mode == "predictor":
+            return self.predictor.mask(x)
+        return self.true_active(x)
+
+    def true_active(self, x: torch.Tensor) -> torch.Tensor:
+        """The profiler's criterion on a dense pass: h != 0 (ReLU family), |score| > threshold otherwise."""
+        w, spec, act = self.full, self.spec, ACTIVATIONS[self.spec.activation]
+        xc = x.float().cpu()
+        if spec.gated:
+            gate, up = linear_many(xc, [w.gate, w.up])
+            if w.up_bias is not None:
+                up = up + w.up_bias
+            score = act(gate)
+            h = score * (act(up) if spec.act_on_up else up)
+        else:
+            h = score = act(linear(xc, w.up, w.up_bias))
+        active = (h != 0) if self.score_threshold is None else (score.abs() > self.score_threshold)
+        return active.to(x.device)
+
+    # --- compute ---------------------------------------------------------------------------------
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        dev = x.device
+        mask = self.active(x)
+        cold_in = None
+        if self.n_cold:
+            cold_in = self._send_to_cpu(x, None if mask is None else mask.index_select(1, self._ids(self._cold_on, dev)))
+        y = None
+        if self.n_hot:
+            xf = x.to(self.fast)
+            mh = None if mask is None else mask.to(self.fast).index_select(1, self._ids(self._hot_on, self.fast))
+            y = self._hot(xf, mh).to(dev)
+        if cold_in is not None:
+            yc = self._cold(*cold_in)
+            if yc is not None:
+                yc = yc.to(dev, non_blocking=True) if dev.type == "cuda" else yc
+                y = yc if y is None else y + yc
+        if y is None:
+            y = x.new_zeros(x.shape[0], self.down_t.in_features)
+        if self.full.down_bias is not None:
+            y = y + self.full.down_bias.to(dev)
+        return y
+
+    def _ids(self, cache: dict, device: torch.device) -> torch.Tensor:
+        if device not in cache:
+            cache[device] = cache[torch.device("cpu")].to(device)
+        return cache[device]
+
+    def _send_to_cpu(self, x: torch.Tensor, cold_mask: torch.Tensor | None):
+        """x and the cold mask on the CPU; from CUDA through pinned buffers and one event."""
+        if x.device.type != "cuda":
+            return x.float().contiguous(), cold_mask
+        key = (x.shape[0], cold_mask is not None)
+        if key not in self._pinned:
+            self._pinned[key] = (_pinned(x.shape, torch.float32),
+                                 _pinned((x.shape[0], self.n_cold), torch.bool) if cold_mask is not None else None)
+        xh, mh = self._pinned[key]
+        xh.copy_(x, non_blocking=True)
+        if mh is not None:
+            mh.copy_(cold_mask, non_blocking=True)
+        if self._event is None:
+            self._event = torch.cuda.Event()
+        self._event.record()
+        return xh, mh, self._event
+
+    def _hot(self, x: torch.Tensor, mh: torch.Tensor | None) -> torch.Tensor:
+        union = None if mh is None else (mh[0] if mh.shape[0] == 1 else mh.any(0))
+        u = kernels.sparse_rowdot(self.up_hot.data, self.up_hot.qtype, x, None, union, check=False)
+        if self.up_bias_hot is not None:
+            u = u + self.up_bias_hot
+        h = self._act(u, None if self.gate_hot is None else
+                      kernels.sparse_rowdot(self.gate_hot.data, self.gate_hot.qtype, x, None, union, check=False))
+        if mh is not None:
+            h = h * mh
+        return kernels.sparse_axpy(self.down_t_hot.data, self.down_t_hot.qtype, h.contiguous(), None, check=False)
+
+    def _act(self, u: torch.Tensor, g: torch.Tensor | None) -> torch.Tensor:
+        spec = self.spec
+        if g is None:
+            return ACTIVATIONS[spec.activation](u)
+        if kernels.use_cpu_op(g):
+            return kernels.cpu.gated_act(g, u, kernels.ACTIVATION_IDS[spec.activation], spec.act_on_up)
+        if kernels.use_cuda_op(g, u) and g.dim() == 2:
+            return kernels.ops().gated_act(g, u, kernels.ACTIVATION_IDS[spec.activation], spec.act_on_up)
+        return gated_act_reference(g, u, spec)
+
+    def _cold(self, x: torch.Tensor, cold_mask: torch.Tensor | None, event=None) -> torch.Tensor | None:
+        if event is not None:
+            event.synchronize()
+        w, spec = self.full, self.spec
+        if cold_mask is None:
+            idx, tok = self.cold_ids, None
+        else:
+            union = cold_mask[0] if cold_mask.shape[0] == 1 else cold_mask.any(0)
+            idx = self.cold_ids[union]
+            tok = None if cold_mask.shape[0] == 1 else cold_mask[:, union]
+            if idx.numel() == 0:
+                return None
+        gate = w.gate
+        if tok is None:  # one token (or every neuron): the fused compiled FFN over the active cold rows
+            y, _ = kernels.sparse_ffn(x, w.up.data, w.up.qtype, None if gate is None else gate.data,
+                                      gate.qtype if gate is not None else w.up.qtype, self.down_t.data,
+                                      self.down_t.qtype, idx, w.up_bias, spec.activation, spec.act_on_up)
+            return y
+        u = kernels.sparse_rowdot(w.up.data, w.up.qtype, x, idx, check=False)
+        if w.up_bias is not None:
+            u = u + w.up_bias[idx.long()]
+        h = self._act(u, None if gate is None else kernels.sparse_rowdot(gate.data, gate.qtype, x, idx, check=False))
+        h = h * tok
+        return kernels.sparse_axpy(self.down_t.data, self.down_t.qtype, h.contiguous(), idx, check=False)
+
+
+# --- the transposed down projection -------------------------------------------------------------
+
+def down_t_cache_path(model_path: Path) -> Path:
+    return model_path.with_name(model_path.stem + ".hs-down_t.gguf")
+
+
+def _transposed_type(qtype: Q, n: int) -> Q:
+    """The type the transposed rows are stored in: float types as they are; block types requantized
+    to the same type where gguf can, else Q8_0 (or F16 where rows are not whole Q8_0 blocks)."""
+    if qtype in FLOAT_TYPES:
+        return qtype
+    if qtype in (Q.Q4_0, Q.Q5_0, Q.Q8_0) and n % 32 == 0:
+        return qtype
+    return Q.Q8_0 if n % 32 == 0 else Q.F16
+
+
+def transposed_down(gguf, n_layers: int, progress=None) -> list[QWeight]:
+    """`ffn_down_t` per layer for a llama.cpp file (which stores ffn_down as [d_model rows of n_ff]):
+    transposed once and kept next to the model in `<model>.hs-down_t.gguf` (memory-mapped after)."""
+    import gguf as gg
+
+    from hybridsparse.solver.gpuidx import model_fingerprint
+
+    from .gguf_file import GGUFFile
+
+    path = down_t_cache_path(Path(gguf.path))
+    fp = model_fingerprint(gguf.path)
+    if path.exists():
+        try:
+            cache = GGUFFile(path)
+            if cache.get("hybridsparse.model_fingerprint") == fp and f"blk.{n_layers - 1}.ffn_down_t.weight" in cache.tensors:
+                return [_qweight(cache, f"blk.{i}.ffn_down_t.weight") for i in range(n_layers)]
+            cache.close()
+        except Exception as e:  # noqa: BLE001 - a damaged cache is rebuilt, never trusted
+            log.warning("%s: unreadable (%s); rebuilding it", path, e)
+    log.info("transposing ffn_down once into %s", path)
+    infos = [gguf.tensors.get(f"blk.{i}.ffn_down.weight") for i in range(n_layers)]
+    for i, info in enumerate(infos):
+        if info is None:
+            raise ModelError(f"{gguf.path}: tensor blk.{i}.ffn_down.weight is missing")
+    tmp = path.with_name(path.name + ".part")
+    w = gg.GGUFWriter(str(tmp), "hybridsparse.down_t")
+    w.add_string("hybridsparse.model_fingerprint", fp)
+    types = []
+    for i, info in enumerate(infos):
+        d_model, n_ff = info.shape[1], info.shape[0]
+        qt = _transposed_type(info.qtype, d_model)
+        types.append(qt)
+        block, size = gg.GGML_QUANT_SIZES[qt]
+        w.add_tensor_info(f"blk.{i}.ffn_down_t.weight", (n_ff, d_model), np.dtype(np.float32),
+                          n_ff * d_model // block * size, raw_dtype=qt)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    it = range(n_layers) if progress is None else progress(range(n_layers))
+    for i in it:
+        info, qt = infos[i], types[i]
+        dense = dequantize(gguf.raw(info.name), info.qtype).float().T.contiguous().numpy()
+        if qt == Q.F32:
+            data = dense
+        elif qt == Q.F16:
+            data = dense.astype(np.float16)
+        else:
+            data = gg.quants.quantize(dense, qt)
+        w.write_tensor_data(np.ascontiguousarray(data))
+    w.close()
+    tmp.replace(path)
+    cache = GGUFFile(path)
+    return [_qweight(cache, f"blk.{i}.ffn_down_t.weight") for i in range(n_layers)]
+
+
+def _qweight(g, name: str) -> QWeight:
+    info = g.tensors[name]
+    return QWeight.from_raw(g.raw(name), info.qtype, info.shape[0])
+
+
+# --- putting a model in hybrid form --------------------------------------------------------------
+
+@dataclass
+class HybridOptions:
+    """What `hs-run` passes: the budget and where the pipeline's files are (defaults: beside the model)."""
+    vram_budget: float | None = None  # GiB; None: all free VRAM minus a margin; 0: CPU only
+    mode: str = "predictor"
+    predictors: str | None = None  # default <model>.predictors.gguf, else the model's own blk.N.fc1/fc2
+    profile: str | None = None  # default <model>.hs-profile
+    gpu_index: str | None = None  # default <model>.generated.gpuidx
+    reset_gpu_index: bool = False
+    disable_gpu_index: bool = False
+    n_ctx: int = 4096
+    device: str | None = None  # the fast device; "cpu" lets a second CPU executor play the GPU (tests)
+    hot: list | None = None  # explicit hot neuron ids per layer instead of a GPU index (tests)
+    attn_fast: list | None = None  # with `hot`: which layers' attention runs on the fast device
+    head_fast: bool = False
+
+
+def _side_path(model: Path, suffix: str) -> Path:
+    return model.with_name(model.stem + suffix)
+
+
+def load_layer_predictors(model_path: Path, model, opts: HybridOptions) -> list[LayerPredictor] | None:
+    """Predictors from --predictors, the side file beside the model, or the model's own tensors."""
+    from hybridsparse.predictor_training.train import load_powerinfer_dir, load_predictors
+    c = model.config
+    path = Path(opts.predictors) if opts.predictors else _side_path(model_path, ".predictors.gguf")
+    if opts.predictors and not path.exists():
+        raise InputError(f"{path}: no such predictor file")
+    if path.is_dir():
+        pairs, thresholds = load_powerinfer_dir(path)
+    elif path.is_file():
+        pairs, thresholds, _ = load_predictors(path)
+    elif model.predictors is not None:  # a PowerInfer GGUF carries its predictors
+        pairs = [(p.fc1.dequantize().float(), p.fc2.dequantize().float()) for p in model.predictors]
+        thresholds = [model.sparse_threshold] * len(pairs)
+        path = model_path
+    else:
+        return None
+    if len(pairs) != c.n_layers:
+        raise InputError(f"{path}: {len(pairs)} layers of predictors, the model has {c.n_layers}")
+    out = []
+    for i, ((fc1, fc2), thr) in enumerate(zip(pairs, thresholds)):
+        if fc1.shape[1] != c.d_model or fc2.shape[0] != c.n_ff or fc2.shape[1] != fc1.shape[0]:
+            raise InputError(f"{path}: blk.{i}.fc1/fc2 have shapes {list(fc1.shape)}/{list(fc2.shape)}, expected "
+                             f"[rank, {c.d_model}] and [{c.n_ff}, rank]")
+        out.append(LayerPredictor(fc1, fc2, float(thr)))
+    return out
+
+
+def load_predictors_available(model_path: Path) -> bool:
+    """Whether the model has predictors (side file, or PowerInfer tensors in it): hs-run then goes hybrid."""
+    if _side_path(model_path, ".predictors.gguf").is_file():
+        return True
+    if not model_path.is_file():
+        return False
+    from .gguf_file import GGUFFile
+    try:
+        g = GGUFFile(model_path)
+    except Exception:  # noqa: BLE001 - the loader reports a bad file properly
+        return False
+    try:
+        return "blk.0.fc1.weight" in g.tensors
+    finally:
+        g.close()
+
+
+def _score_thresholds(profile_dir: Path, n_layers: int) -> list:
+    import json
+    meta = profile_dir / "profile.json"
+    if meta.is_file():
+        thr = json.loads(meta.read_text()).get("thresholds")
+        if isinstance(thr, list) and len(thr) == n_layers:
+            return thr
+    return [None] * n_layers
+
+
+def cuda_budget(budget_gib: float | None, device: torch.device) -> int:
+    """The budget in bytes, and the allocator capped so torch cannot exceed it: the budget counts the
+    CUDA context and everything else the driver reports, so the cap is the budget less what is in use."""
+    from hybridsparse.solver.plan import GiB
+    free, total = torch.cuda.mem_get_info(device)
+    if budget_gib is None:
+        budget_gib = max(0.0, free / GiB - 0.5)
+    budget = int(budget_gib * GiB)
+    used = total - free - torch.cuda.memory_reserved(device)
+    if budget > total:
+        raise InputError(f"--vram-budget {budget_gib:g} GiB is more than the {total / GiB:.1f} GiB the GPU has")
+    room = budget - used
+    if room <= 0:
+        raise InputError(f"--vram-budget {budget_gib:g} GiB is below the {used / GiB:.2f} GiB the CUDA context "
+                         "already takes; raise it or use --vram-budget 0 for CPU only")
+    torch.cuda.set_per_process_memory_fraction(min(1.0, room / total), device)
+    return budget
+
+
+def setup_hybrid(model, model_path: Path, opts: HybridOptions, log_line=print) -> dict:
+    """Replace every layer's FFN by a `HybridFFN` and place the dense blocks, following the GPU index
+    (solved here when missing or stale). Returns a report of the placement."""
+    from tqdm import tqdm
+
+    from .models.base import Placement
+    c = model.config
+    cpu = torch.device("cpu")
+    spec = _ffn_spec(c)
+    profile_dir = Path(opts.profile) if opts.profile else _side_path(model_path, ".hs-profile")
+    predictors = None
+    if opts.mode == "predictor":
+        predictors = load_layer_predictors(model_path, model, opts)
+        if predictors is None:
+            raise InputError(f"{model_path}: no predictors ({_side_path(model_path, '.predictors.gguf').name} not "
+                             "found and the model has no blk.N.fc1 tensors): run `make profile` and `make "
+                             "train-predictor` for it, or pass --dense (exact, same placement)")
+    score_thr = _score_thresholds(profile_dir, c.n_layers)
+    fast = None
+    if opts.device is not None:
+        fast = torch.device(opts.device)
+    elif torch.cuda.is_available() and opts.vram_budget != 0:
+        fast = torch.device("cuda")
+    hot = [np.zeros(0, np.int64)] * c.n_layers
+    attn_fast, head_fast, budget, source = [False] * c.n_layers, False, 0, "CPU only"
+    if fast is not None and opts.hot is not None:
+        hot = [np.asarray(h) for h in opts.hot]
+        attn_fast = list(opts.attn_fast) if opts.attn_fast is not None else [True] * c.n_layers
+        head_fast, source = opts.head_fast, "given hot sets"
+    elif fast is not None:
+        if fast.type != "cuda":
+            raise InputError(f"--device {fast}: the hybrid runtime's fast device is a CUDA GPU")
+        budget = cuda_budget(opts.vram_budget, fast)
+        index, solved = _index(model_path, profile_dir, budget, opts, log_line)
+        attn_fast = list(index.meta.get("attn_gpu", [True] * c.n_layers))
+        head_fast = bool(index.meta.get("head_gpu", False))
+        if not opts.disable_gpu_index:
+            hot = [np.asarray(g) for g in index.gpu_neurons]
+        source = ("solved now" if solved else "cached GPU index") + (", FFNs kept off the GPU" if
+                                                                      opts.disable_gpu_index else "")
+    down_ts = None
+    if any(not layer.ffn.down_transposed for layer in model.layers):
+        down_ts = transposed_down(model.gguf, c.n_layers, progress=lambda it: tqdm(
+            it, desc="transposing ffn_down (once)", unit="layer", leave=False))
+    all_fast = fast is not None and all(attn_fast) and head_fast
+    layer_dev = [fast if (fast is not None and a) else cpu for a in attn_fast]
+    head_dev = fast if (fast is not None and head_fast) else cpu
+    embed_dev = fast if all_fast else cpu
+    placement = Placement(embed_dev, layer_dev, head_dev, sorted({embed_dev, head_dev, *layer_dev}, key=str))
+
+    def build(i, ffn, dev):
+        if not isinstance(ffn, FFNWeights):
+            raise ModelError(f"{model_path}: layer {i} is already in hybrid form")
+        down_t = ffn.down if ffn.down_transposed else down_ts[i]
+        pred = predictors[i].to(dev) if predictors is not None else None
+        return HybridFFN(ffn, down_t, spec, hot[i], fast, pred, opts.mode, score_thr[i])
+
+    model.apply_placement(placement, build, progress=lambda it: tqdm(
+        it, desc="placing layers", unit="layer", leave=False, disable=len(it) < 8))
+    gpu_neurons = sum(int(l.ffn.n_hot) for l in model.layers)
+    report = {"source": source, "mode": opts.mode, "fast_device": str(fast) if fast else None,
+              "vram_budget": budget, "attn_fast": sum(attn_fast), "head_fast": head_fast,
+              "hot_neurons": gpu_neurons, "neurons": c.n_ff * c.n_layers}
+    log_line(f"hybrid: {opts.mode} mode, {source}; attention of {sum(attn_fast)}/{c.n_layers} layers and "
+             f"{gpu_neurons}/{c.n_ff * c.n_layers} FFN neurons on {fast or 'no fast device'}, output head on "
+             f"{head_dev.type}")
+    return report
+
+
+def _ffn_spec(c) -> FFNSpec:
+    from .layers import FFN_VARIANTS
+    return FFN_VARIANTS[c.ffn_variant]
+
+
+def _index(model_path: Path, profile_dir: Path, budget: int, opts: HybridOptions, log_line):
+    """The GPU index for this budget: cached, solved now, or (no profile and FFNs kept off the GPU)
+    a plan for the dense blocks alone."""
+    import io
+
+    from hybridsparse.solver import cli as solver_cli
+    from hybridsparse.solver.gpuidx import read_index
+    index_path = Path(opts.gpu_index) if opts.gpu_index else None
+    if opts.gpu_index and not opts.reset_gpu_index and index_path.exists() and not profile_dir.exists():
+        return read_index(index_path), False  # an index given as is (PowerInfer's exporter) with no profile
+    if not (profile_dir / "activation").is_dir() and not any(profile_dir.glob("activation_*.pt")):
+        if not opts.disable_gpu_index:
+            raise InputError(f"{profile_dir}: no activation profile to place neurons with: run `make profile "
+                             f"MODEL={model_path}` (then `make train-predictor`), or pass --disable-gpu-index to "
+                             "keep the FFNs off the GPU")
+        from hybridsparse.profiler.activations import save_profile
+        from .gguf_file import GGUFFile
+        g = GGUFFile(model_path)
+        n_ff = [g.tensors[f"blk.{i}.ffn_up.weight"].rows for i in range(g.require(f"{g.architecture}.block_count"))]
+        g.close()
+        profile_dir = _side_path(model_path, ".hs-noprofile")
+        save_profile(profile_dir, [torch.zeros(n, dtype=torch.float64) for n in n_ff], 1, {"criterion": "none"})
+    out = io.StringIO()
+    index, solved = solver_cli.ensure_index(model_path, profile_dir, budget, opts.n_ctx, reset=opts.reset_gpu_index,
+                                            index_path=index_path, out=out, tag="hs-run")
+    for line in out.getvalue().splitlines():
+        log_line(line)
+    return index, solved

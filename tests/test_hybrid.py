@@ -1,0 +1,160 @@
+"""The hybrid runtime on the CPU: with an oracle predictor (the true active set) sparse execution gives
+the dense model's logits and tokens for every FFN variant, CPU-only and split by neuron between a
+'fast' executor (a second CPU executor playing the GPU) and the CPU; `--dense` with a split placement
+is exact too; the transposed-down cache is built once; bad input is one clear error."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from hybridsparse.runtime.gguf_file import GGUFFile
+from hybridsparse.runtime.hybrid import HybridFFN, HybridOptions, down_t_cache_path, setup_hybrid
+from hybridsparse.runtime.models import load_model
+
+from test_architectures import VOCAB, build_case
+from tiny_models import tiny_llama
+
+PROMPT, STEPS = 6, 6
+
+
+def greedy_run(model, ids):
+    """Prefill, then greedy decode token by token: (logits of every step, tokens)."""
+    cache = model.new_cache(32)
+    out, tokens = [], []
+    with torch.inference_mode():
+        logits = model.forward(ids, torch.arange(len(ids)), cache, len(ids), all_logits=True)
+        out.append(logits)
+        pos = len(ids)
+        for _ in range(STEPS):
+            tok = int(logits[-1].argmax())
+            tokens.append(tok)
+            logits = model.forward(torch.tensor([tok]), torch.tensor([pos]), cache, pos + 1)
+            out.append(logits)
+            pos += 1
+    return torch.cat(out), tokens
+
+
+def _split(model, seed):
+    """A random hot set per layer (about half the neurons) and attention on either side."""
+    rng = np.random.default_rng(seed)
+    c = model.config
+    hot = [np.sort(rng.choice(c.n_ff, c.n_ff // 2, replace=False)) for _ in range(c.n_layers)]
+    attn = [bool(b) for b in rng.integers(0, 2, c.n_layers)]
+    attn[0] = True
+    return hot, attn
+
+
+HYBRID_CASES = ["llama-relu", "llama-swiglu", "llama-drelu", "gemma3", "falcon-40b-relu", "opt", "qwen2"]
+
+
+@pytest.mark.parametrize("name", HYBRID_CASES)
+def test_oracle_sparse_equals_dense(name, tmp_path):
+    _, dense = build_case(name, tmp_path)
+    path = dense.gguf.path
+    ids = torch.randint(0, VOCAB, (PROMPT,), generator=torch.Generator().manual_seed(3))
+    ref_logits, ref_tokens = greedy_run(dense, ids)
+    scale = ref_logits.abs().max().item()
+    configs = {
+        "cpu-only oracle": HybridOptions(mode="oracle", vram_budget=0),
+        "split oracle": HybridOptions(mode="oracle", device="cpu"),
+        "split dense": HybridOptions(mode="dense", device="cpu"),
+    }
+    for what, opts in configs.items():
+        model = load_model(GGUFFile(path))
+        if opts.device == "cpu":
+            opts.hot, opts.attn_fast = _split(model, 7)
+            opts.head_fast = True
+        report = setup_hybrid(model, path, opts, log_line=lambda *_: None)
+        assert all(isinstance(layer.ffn, HybridFFN) for layer in model.layers)
+        if opts.device == "cpu":
+            assert 0 < report["hot_neurons"] < report["neurons"]
+        logits, tokens = greedy_run(model, ids)
+        err = (logits - ref_logits).abs().max().item()
+        assert err <= 1e-4 * max(scale, 1.0), f"{name} {what}: logits differ by {err:.3g} (scale {scale:.3g})"
+        assert tokens == ref_tokens, f"{name} {what}"
+
+
+def test_relu_oracle_computes_only_the_active_neurons(tmp_path, monkeypatch):
+    """A ReLU model's oracle active set is the nonzero set: the cold side is asked for those rows only."""
+    _, model = build_case("llama-relu", tmp_path)
+    path = model.gguf.path
+    setup_hybrid(model, path, HybridOptions(mode="oracle", vram_budget=0), log_line=lambda *_: None)
+    from hybridsparse.runtime import kernels
+    seen = []
+    real = kernels.sparse_ffn
+    monkeypatch.setattr(kernels, "sparse_ffn", lambda *a, **k: (seen.append(a[7].numel()), real(*a, **k))[1])
+    greedy_run(model, torch.arange(1, 3))
+    assert seen and max(seen) < model.config.n_ff  # a ReLU layer never needs all its neurons
+
+
+def test_predictor_mode_uses_predicted_sets(tmp_path):
+    """Predictors that say 'everything' reproduce dense output; predictors that say 'nothing' leave the
+    FFN out (output = attention only), so the predictor is what decides."""
+    _, dense = build_case("llama-relu", tmp_path)
+    path = dense.gguf.path
+    ids = torch.arange(1, 6)
+    ref_logits, _ = greedy_run(dense, ids)
+    c = dense.config
+    for thr, same in ((-1e9, True), (1e9, False)):
+        from hybridsparse.predictor_training.train import LayerResult, write_predictors
+        results = [LayerResult(i, 4, thr, 1.0, 1.0, 0.5, 0.5, 0, torch.randn(4, c.d_model), torch.randn(c.n_ff, 4))
+                   for i in range(c.n_layers)]
+        pred = write_predictors(tmp_path / "p.gguf", results, {})
+        model = load_model(GGUFFile(path))
+        hot, attn = _split(model, 1)
+        setup_hybrid(model, path, HybridOptions(predictors=str(pred), device="cpu", hot=hot, attn_fast=attn),
+                     log_line=lambda *_: None)
+        logits, _ = greedy_run(model, ids)
+        close = torch.allclose(logits, ref_logits, atol=1e-4 * ref_logits.abs().max().item())
+        assert close == same
+
+
+def test_transposed_down_is_cached_once(tmp_path):
+    _, model = build_case("llama-relu", tmp_path)
+    path = model.gguf.path
+    cache = down_t_cache_path(path)
+    assert not cache.exists()
+    setup_hybrid(model, path, HybridOptions(mode="dense", vram_budget=0), log_line=lambda *_: None)
+    assert cache.exists()
+    stamp = cache.stat().st_mtime_ns
+    model = load_model(GGUFFile(path))
+    setup_hybrid(model, path, HybridOptions(mode="dense", vram_budget=0), log_line=lambda *_: None)
+    assert cache.stat().st_mtime_ns == stamp  # reused
+    cache.write_bytes(b"GGUF" + b"\0" * 40)  # damaged: rebuilt, not trusted
+    model = load_model(GGUFFile(path))
+    setup_hybrid(model, path, HybridOptions(mode="dense", vram_budget=0), log_line=lambda *_: None)
+    assert GGUFFile(cache).tensors
+
+
+def hs_run(*args, timeout=180):
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    return subprocess.run([sys.executable, "-m", "hybridsparse.runtime.cli", *args], capture_output=True,
+                          text=True, timeout=timeout, env=env)
+
+
+def test_hs_run_hybrid_flags(tmp_path):
+    model = tiny_llama(tmp_path / "tiny.gguf", act="relu")
+    base = ["-m", str(model), "-p", "Hello", "-n", "8", "--temp", "0", "-t", "1"]
+    plain = hs_run(*base)
+    assert plain.returncode == 0, plain.stderr
+    for extra in (["--dense", "--vram-budget", "0"], ["--oracle", "--vram-budget", "0"]):
+        r = hs_run(*base, *extra)
+        assert r.returncode == 0, r.stderr
+        assert r.stdout == plain.stdout, extra
+        assert "hybrid:" in r.stderr
+    bad = {
+        ("--vram-budget", "0"): "no predictors",
+        ("--predictors", str(tmp_path / "nope.gguf")): "no such predictor file",
+        ("--dense", "-ngl", "2"): "pass one or the other",
+        ("--dense", "--oracle"): "exclude each other",
+        ("--vram-budget", "-1"): "must be >= 0",
+    }
+    for extra, needle in bad.items():
+        r = hs_run(*base, *extra)
+        assert r.returncode == 1 and needle in r.stderr and len(r.stderr.strip().splitlines()) == 1, (extra, r.stderr)
