@@ -10,7 +10,9 @@ copy of (x, the cold part of the mask) into pinned buffers; the CPU kernels; one
 of the CPU's output. No copy at all when no cold neuron is active for the step's tokens.
 
 Modes: "predictor" (the trained predictors), "dense" (every neuron, exact, same placement),
-"oracle" (the true active set from a dense gate/up pass: for tests and diagnostics).
+"oracle" (the true active set from a dense gate/up pass: for tests and diagnostics), "sampled" (for
+benchmarks on synthetic models: the predictors run, but each token's active set is drawn from the
+profile's per-neuron frequencies, so the sets have published statistics).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from .weights import QWeight, linear, linear_many
 
 log = logging.getLogger(__name__)
 
-MODES = ("predictor", "dense", "oracle")
+MODES = ("predictor", "dense", "oracle", "sampled")
 
 
 @dataclass
@@ -60,11 +62,15 @@ class HybridFFN:
     read in place). Called by `layers.ffn` in place of the dense FFN."""
 
     def __init__(self, w: FFNWeights, down_t: QWeight, spec: FFNSpec, hot: np.ndarray, fast: torch.device | None,
-                 predictor: LayerPredictor | None, mode: str, score_threshold: float | None = None):
+                 predictor: LayerPredictor | None, mode: str, score_threshold: float | None = None,
+                 freq: torch.Tensor | None = None):
         if mode not in MODES:
             raise ValueError(f"unknown sparse mode {mode!r}; known: {MODES}")
-        if mode == "predictor" and predictor is None:
-            raise ValueError("predictor mode needs a predictor")
+        if mode in ("predictor", "sampled") and predictor is None:
+            raise ValueError(f"{mode} mode needs a predictor")
+        if mode == "sampled" and freq is None:
+            raise ValueError("sampled mode needs per-neuron frequencies")
+        self.freq = None if freq is None else freq.float()
         n_ff = w.up.out_features
         hot = np.asarray(hot, dtype=np.int64)
         if hot.size and (hot.min() < 0 or hot.max() >= n_ff or np.unique(hot).size != hot.size):
@@ -117,6 +123,11 @@ class HybridFFN:
             return None
         if self.mode == "predictor":
             return self.predictor.mask(x)
+        if self.mode == "sampled":
+            self.predictor.mask(x)  # its cost is real; its answer is replaced by a draw from the profile
+            if self.freq.device != x.device:
+                self.freq = self.freq.to(x.device)
+            return torch.rand(x.shape[0], self.n_ff, device=x.device) < self.freq
         return self.true_active(x)
 
     def true_active(self, x: torch.Tensor) -> torch.Tensor:
@@ -320,6 +331,7 @@ class HybridOptions:
     hot: list | None = None  # explicit hot neuron ids per layer instead of a GPU index (tests)
     attn_fast: list | None = None  # with `hot`: which layers' attention runs on the fast device
     head_fast: bool = False
+    hardware: object = None  # solver.plan.Hardware for a solve here (default: hs-solve's default figures)
 
 
 def _side_path(model: Path, suffix: str) -> Path:
@@ -384,12 +396,16 @@ def _score_thresholds(profile_dir: Path, n_layers: int) -> list:
 def cuda_budget(budget_gib: float | None, device: torch.device) -> int:
     """The budget in bytes, and the allocator capped so torch cannot exceed it: the budget counts the
     CUDA context and everything else the driver reports, so the cap is the budget less what is in use."""
-    from hybridsparse.solver.plan import GiB
+    from hybridsparse.solver.plan import CUDA_CONTEXT_BYTES, GiB
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     free, total = torch.cuda.mem_get_info(device)
     if budget_gib is None:
         budget_gib = max(0.0, free / GiB - 0.5)
     budget = int(budget_gib * GiB)
-    used = total - free - torch.cuda.memory_reserved(device)
+    used = _process_device_bytes(device)
+    if used is None:  # without NVML: the context as the solver counts it
+        used = CUDA_CONTEXT_BYTES
     if budget > total:
         raise InputError(f"--vram-budget {budget_gib:g} GiB is more than the {total / GiB:.1f} GiB the GPU has")
     room = budget - used
@@ -397,7 +413,46 @@ def cuda_budget(budget_gib: float | None, device: torch.device) -> int:
         raise InputError(f"--vram-budget {budget_gib:g} GiB is below the {used / GiB:.2f} GiB the CUDA context "
                          "already takes; raise it or use --vram-budget 0 for CPU only")
     torch.cuda.set_per_process_memory_fraction(min(1.0, room / total), device)
-    return budget
+    return budget, used
+
+
+def _process_device_bytes(device: torch.device) -> int | None:
+    """Device memory this process holds outside torch's allocator (the CUDA context, modules), from
+    NVML's per-process figure; None when NVML is not importable."""
+    import os
+    torch.zeros(1, device=device)  # the context exists from here on
+    try:
+        import pynvml
+    except ImportError:
+        return _nvidia_smi_process_bytes(device)
+    try:
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(device.index)
+        for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+            if p.pid == os.getpid() and p.usedGpuMemory:
+                return int(p.usedGpuMemory) - torch.cuda.memory_reserved(device)
+    except Exception:  # noqa: BLE001 - containers often hide other pids; fall back
+        return None
+    return None
+
+
+def _nvidia_smi_process_bytes(device: torch.device) -> int | None:
+    import os
+    import shutil
+    import subprocess
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return None
+    try:
+        out = subprocess.run([smi, "-i", str(device.index), "--query-compute-apps=pid,used_memory",
+                              "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    for line in out.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) == 2 and parts[0] == str(os.getpid()) and parts[1].isdigit():
+            return (int(parts[1]) << 20) - torch.cuda.memory_reserved(device)
+    return None
 
 
 def setup_hybrid(model, model_path: Path, opts: HybridOptions, log_line=print) -> dict:
@@ -410,8 +465,11 @@ def setup_hybrid(model, model_path: Path, opts: HybridOptions, log_line=print) -
     cpu = torch.device("cpu")
     spec = _ffn_spec(c)
     profile_dir = Path(opts.profile) if opts.profile else _side_path(model_path, ".hs-profile")
-    predictors = None
-    if opts.mode == "predictor":
+    predictors, freqs = None, [None] * c.n_layers
+    if opts.mode == "sampled":
+        from hybridsparse.profiler.activations import load_profile
+        freqs = load_profile(profile_dir).frequencies()
+    if opts.mode in ("predictor", "sampled"):
         predictors = load_layer_predictors(model_path, model, opts)
         if predictors is None:
             raise InputError(f"{model_path}: no predictors ({_side_path(model_path, '.predictors.gguf').name} not "
@@ -425,6 +483,7 @@ def setup_hybrid(model, model_path: Path, opts: HybridOptions, log_line=print) -
         fast = torch.device("cuda")
     hot = [np.zeros(0, np.int64)] * c.n_layers
     attn_fast, head_fast, budget, source = [False] * c.n_layers, False, 0, "CPU only"
+    context_bytes = 0
     if fast is not None and opts.hot is not None:
         hot = [np.asarray(h) for h in opts.hot]
         attn_fast = list(opts.attn_fast) if opts.attn_fast is not None else [True] * c.n_layers
@@ -432,7 +491,7 @@ def setup_hybrid(model, model_path: Path, opts: HybridOptions, log_line=print) -
     elif fast is not None:
         if fast.type != "cuda":
             raise InputError(f"--device {fast}: the hybrid runtime's fast device is a CUDA GPU")
-        budget = cuda_budget(opts.vram_budget, fast)
+        budget, context_bytes = cuda_budget(opts.vram_budget, fast)
         index, solved = _index(model_path, profile_dir, budget, opts, log_line)
         attn_fast = list(index.meta.get("attn_gpu", [True] * c.n_layers))
         head_fast = bool(index.meta.get("head_gpu", False))
@@ -455,13 +514,13 @@ def setup_hybrid(model, model_path: Path, opts: HybridOptions, log_line=print) -
             raise ModelError(f"{model_path}: layer {i} is already in hybrid form")
         down_t = ffn.down if ffn.down_transposed else down_ts[i]
         pred = predictors[i].to(dev) if predictors is not None else None
-        return HybridFFN(ffn, down_t, spec, hot[i], fast, pred, opts.mode, score_thr[i])
+        return HybridFFN(ffn, down_t, spec, hot[i], fast, pred, opts.mode, score_thr[i], freqs[i])
 
     model.apply_placement(placement, build, progress=lambda it: tqdm(
         it, desc="placing layers", unit="layer", leave=False, disable=len(it) < 8))
     gpu_neurons = sum(int(l.ffn.n_hot) for l in model.layers)
     report = {"source": source, "mode": opts.mode, "fast_device": str(fast) if fast else None,
-              "vram_budget": budget, "attn_fast": sum(attn_fast), "head_fast": head_fast,
+              "vram_budget": budget, "cuda_context_bytes": context_bytes, "attn_fast": sum(attn_fast), "head_fast": head_fast,
               "hot_neurons": gpu_neurons, "neurons": c.n_ff * c.n_layers}
     log_line(f"hybrid: {opts.mode} mode, {source}; attention of {sum(attn_fast)}/{c.n_layers} layers and "
              f"{gpu_neurons}/{c.n_ff * c.n_layers} FFN neurons on {fast or 'no fast device'}, output head on "
@@ -498,7 +557,7 @@ def _index(model_path: Path, profile_dir: Path, budget: int, opts: HybridOptions
         save_profile(profile_dir, [torch.zeros(n, dtype=torch.float64) for n in n_ff], 1, {"criterion": "none"})
     out = io.StringIO()
     index, solved = solver_cli.ensure_index(model_path, profile_dir, budget, opts.n_ctx, reset=opts.reset_gpu_index,
-                                            index_path=index_path, out=out, tag="hs-run")
+                                            hw=opts.hardware, index_path=index_path, out=out, tag="hs-run")
     for line in out.getvalue().splitlines():
         log_line(line)
     return index, solved

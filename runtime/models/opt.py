@@ -72,8 +72,8 @@ class OPT(CausalLM):
         d = self.config.d_model
         return NormWeights(self.weights.vector("output_norm.weight", d), self.weights.vector("output_norm.bias", d))
 
-    def place(self, n_gpu_layers, gpu):
-        super().place(n_gpu_layers, gpu)
+    def apply_placement(self, p, ffn_builder=None, progress=None):
+        super().apply_placement(p, ffn_builder, progress)
         self.positions = self.positions.to(self.placement.embed)
 
     def embed(self, tokens, positions):

@@ -5,6 +5,8 @@
 #   prefetch mode too with HS_PREFETCH_MODES="0 1 2")
 #   small: decode of a Gemma-3-270M-shaped and a Llama-7B-shaped model all on the GPU
 #   split: the 13B layer split (-ngl 11) and CPU-only
+#   synth13: a 13B-shaped F16 model in PowerInfer layout with a power-law profile in /dev/shm
+#   hybrid: hs-bench hybrid on it: hybrid vs layer split at 4/8/11/24 GiB vs CPU only, peak memory
 set -uo pipefail
 OUT=${OUT:-gpu-results}
 mkdir -p "$OUT"
@@ -19,7 +21,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 
 STAGES=",${HS_STAGES:-tests,small},"
 if [[ $STAGES == *,tests,* ]]; then
-  python3 -m pytest -q -x tests/gpu tests/test_sparse_ops.py tests/test_quants.py tests/test_architectures.py 2>&1 \
+  python3 -m pytest -q tests/gpu tests/test_sparse_ops.py tests/test_quants.py tests/test_architectures.py tests/test_hybrid.py 2>&1 \
     | tee "$OUT/pytest.txt" | tail -15
 fi
 if [[ $STAGES == *,kcuda,* ]]; then
@@ -60,4 +62,12 @@ hs-bench synth --shape llama-13b --dtype f16 -o /dev/shm 2>&1 | tail -1
 hs-bench run -m /dev/shm/llama-13b-f16.gguf -ngl 11 -t 16 --reps 1 -n 32 --json "$OUT/bench_llama13b_f16_ngl11.json" 2>&1 | tail -4
 hs-bench run -m /dev/shm/llama-13b-f16.gguf -ngl 0 -t 16 --reps 1 -n 32 --json "$OUT/bench_llama13b_f16_cpu.json" 2>&1 | tail -4
 rm -f /dev/shm/llama-13b-f16.gguf
+fi
+if [[ $STAGES == *,synth13,* ]]; then
+[ -f /dev/shm/llama-13b-f16.gguf ] || ( time hs-bench synth --shape llama-13b --dtype f16 --layout powerinfer --activity zipf -o /dev/shm ) 2>&1 | tail -4
+ls -la /dev/shm
+fi
+if [[ $STAGES == *,hybrid,* ]]; then
+hs-bench hybrid -m /dev/shm/llama-13b-f16.gguf --mode sampled -t 16 -n ${HS_N:-24} --budgets ${HS_BUDGETS:-4,8,11,24} \
+  --timeout 200 ${HS_HYBRID_ARGS:-} --json "$OUT/hybrid_llama13b_f16${HS_TAG:-}.json" 2>&1 | tail -30
 fi

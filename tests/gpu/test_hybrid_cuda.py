@@ -1,0 +1,101 @@
+"""The hybrid runtime on a real GPU (skipped without CUDA): oracle-sparse with a neuron split between the
+GPU and the CPU gives the all-GPU dense model's logits and tokens; hs-run solves, reuses and resets the
+GPU index; peak device memory (read from the driver) stays within --vram-budget; a budget below what
+the CUDA context takes is one clear error."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available")
+
+from hybridsparse.runtime.bench import _GpuMemoryPoller, write_synthetic_activity  # noqa: E402
+from hybridsparse.runtime.gguf_file import GGUFFile  # noqa: E402
+from hybridsparse.runtime.hybrid import HybridOptions, setup_hybrid  # noqa: E402
+from hybridsparse.runtime.models import load_model  # noqa: E402
+from test_architectures import VOCAB, build_case  # noqa: E402
+from test_hybrid import greedy_run  # noqa: E402
+from tiny_models import tiny_llama  # noqa: E402
+
+
+@pytest.mark.parametrize("name", ["llama-relu", "llama-swiglu", "llama-drelu", "gemma3", "opt", "falcon-40b-relu"])
+def test_oracle_hybrid_on_cuda_equals_dense_on_cuda(name, tmp_path):
+    _, dense = build_case(name, tmp_path)
+    path = dense.gguf.path
+    dense.place(dense.config.n_layers + 1, torch.device("cuda"))
+    ids = torch.randint(0, VOCAB, (6,), generator=torch.Generator().manual_seed(3))
+    ref_logits, ref_tokens = greedy_run(dense, ids)
+    rng = np.random.default_rng(5)
+    for attn in ([True] * dense.config.n_layers, [bool(i % 2) for i in range(dense.config.n_layers)]):
+        model = load_model(GGUFFile(path))
+        c = model.config
+        hot = [np.sort(rng.choice(c.n_ff, c.n_ff // 3, replace=False)) for _ in range(c.n_layers)]
+        setup_hybrid(model, path, HybridOptions(mode="oracle", device="cuda", hot=hot, attn_fast=attn,
+                                                head_fast=True), log_line=lambda *_: None)
+        logits, tokens = greedy_run(model, ids)
+        scale = ref_logits.abs().max().item()
+        err = (logits.cpu() - ref_logits.cpu()).abs().max().item()
+        assert err <= 2e-3 * max(scale, 1.0), f"{name}: {err:.3g} vs scale {scale:.3g}"
+        assert tokens == ref_tokens
+
+
+def hs_run(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "hybridsparse.runtime.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ})
+
+
+@pytest.fixture(scope="module")
+def tiny_profiled(tmp_path_factory):
+    """A tiny ReLU model with a profile (power-law frequencies) and predictors beside it."""
+    d = tmp_path_factory.mktemp("hyb")
+    path = tiny_llama(d / "tiny.gguf", act="relu", layers=3)
+    write_synthetic_activity(path, 3, 64, 128, 0.2, 0.3, 16)
+    return path
+
+
+def test_hs_run_oracle_tokens_identical_cpu_hybrid_all_gpu(tiny_profiled):
+    base = ["-m", str(tiny_profiled), "-p", "Hello there", "-n", "12", "--temp", "0", "-t", "4",
+            "--no-display-prompt"]
+    all_gpu = hs_run(*base, "-ngl", "99")
+    hybrid = hs_run(*base, "--oracle", "--vram-budget", "2", "--reset-gpu-index")
+    cpu = hs_run(*base, "--oracle", "--vram-budget", "0")
+    for r in (all_gpu, hybrid, cpu):
+        assert r.returncode == 0, r.stderr
+    assert "solved now" in hybrid.stderr and "FFN neurons on cuda" in hybrid.stderr
+    assert hybrid.stdout == all_gpu.stdout == cpu.stdout
+
+
+def test_hs_run_gpu_index_reuse_stale_reset(tiny_profiled):
+    base = ["-m", str(tiny_profiled), "-p", "Hi", "-n", "4", "--temp", "0", "--dense"]
+    first = hs_run(*base, "--vram-budget", "1.5", "--reset-gpu-index")
+    again = hs_run(*base, "--vram-budget", "1.5")
+    other = hs_run(*base, "--vram-budget", "1.25")
+    for r in (first, again, other):
+        assert r.returncode == 0, r.stderr
+    assert "solved now" in first.stderr
+    assert "reusing it" in again.stderr and "cached GPU index" in again.stderr
+    assert "stale" in other.stderr
+    off = hs_run(*base, "--vram-budget", "1.5", "--disable-gpu-index")
+    assert off.returncode == 0 and " 0/" in off.stderr.split("FFN neurons")[0].split("layers and")[-1], off.stderr
+
+
+def test_budget_below_the_cuda_context_is_one_clear_error(tiny_profiled):
+    r = hs_run("-m", str(tiny_profiled), "-p", "Hi", "-n", "2", "--dense", "--vram-budget", "0.05")
+    assert r.returncode == 1
+    assert "--vram-budget" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+@pytest.mark.parametrize("budget", [1.0, 1.5])
+def test_peak_device_memory_within_budget(tiny_profiled, budget):
+    with _GpuMemoryPoller() as poll:
+        r = hs_run("-m", str(tiny_profiled), "-p", "Hello", "-n", "16", "--temp", "0", "--dense",
+                   "--vram-budget", str(budget), "--reset-gpu-index")
+    assert r.returncode == 0, r.stderr
+    if poll.cmd:
+        assert poll.peak - poll.base <= budget * 2**30, f"peak {(poll.peak - poll.base) / 2**20:.0f} MiB"
