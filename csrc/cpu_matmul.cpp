@@ -323,6 +323,7 @@ at::Tensor sparse_axpy_cpu(const at::Tensor& w, int64_t qtype, const at::Tensor&
     }
   }
 #endif
+  const int pf = prefetch_mode();
   at::parallel_for(0, n_threads, 1, [&](int64_t tb, int64_t te) {
     std::vector<float> row(direct ? 0 : K);
     for (int64_t tid = tb; tid < te; ++tid) {
@@ -333,9 +334,12 @@ at::Tensor sparse_axpy_cpu(const at::Tensor& w, int64_t qtype, const at::Tensor&
         for (int64_t t = 0; t < T && !any; ++t) any = hp[t * M + k] != 0.f;
         if (!any) continue;  // an inactive neuron costs nothing
         const uint8_t* src = wp + (ip ? ip[k] : k) * row_bytes;
-        if (k + 1 < r1) {  // the next row is elsewhere in memory when rows are listed
+        if (pf && k + 1 < r1) {  // HS_PREFETCH as in the row-dot (non-temporal was 6x slower on a Xeon)
           const char* next = reinterpret_cast<const char*>(wp + (ip ? ip[k + 1] : k + 1) * row_bytes);
-          for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(next + off, 0, 0);
+          if (pf == 1)
+            for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(next + off, 0, 0);
+          else
+            for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(next + off, 0, 3);
         }
         if (!direct) dequant_row(src, qtype, K, row.data());
         for (int64_t t = 0; t < T; ++t) {

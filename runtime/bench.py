@@ -512,8 +512,7 @@ def _placement_bytes(lm, cfg) -> tuple[float, float, float]:
             freq = f.freq.cpu()
             gb += float(freq[hot].sum()) * per * (f.fast is not None and f.fast.type == "cuda")
             cb += float(freq[~hot].sum()) * per
-            pred = f.predictor.fc1.numel() * f.predictor.fc1.element_size() + \
-                f.predictor.fc2.numel() * f.predictor.fc2.element_size()
+            pred = f.predictor.fc1.nbytes + f.predictor.fc2.nbytes
             gb, cb = (gb + pred, cb) if dev == "cuda" else (gb, cb + pred)
         elif isinstance(f, HybridFFN):
             per = ffn_bytes / f.n_ff

@@ -40,17 +40,21 @@ MODES = ("predictor", "dense", "oracle", "sampled")
 @dataclass
 class LayerPredictor:
     """logits = fc2(relu(fc1(x))); a neuron is predicted active where logits >= threshold."""
-    fc1: torch.Tensor  # [rank, d_model]
-    fc2: torch.Tensor  # [n_ff, rank]
+    fc1: torch.Tensor | QWeight  # [rank, d_model]
+    fc2: torch.Tensor | QWeight  # [n_ff, rank]
     threshold: float
 
     def to(self, device: torch.device) -> "LayerPredictor":
-        dtype = torch.float16 if torch.device(device).type == "cuda" else torch.float32
-        return LayerPredictor(self.fc1.to(device, dtype), self.fc2.to(device, dtype), self.threshold)
+        """Kept in float16 (as the predictor files store them) and run through the compiled GEMV on
+        either device: on the CPU a float32 copy would double the bytes read per token."""
+        as_q = (lambda t: QWeight(t.to(torch.float16).contiguous(), Q.F16, t.shape[1]).to(device))
+        return LayerPredictor(as_q(self.fc1.data if isinstance(self.fc1, QWeight) else self.fc1),
+                              as_q(self.fc2.data if isinstance(self.fc2, QWeight) else self.fc2), self.threshold)
 
     def mask(self, x: torch.Tensor) -> torch.Tensor:
-        xx = x.to(self.fc1.dtype)
-        return F.linear(F.relu(F.linear(xx, self.fc1)), self.fc2) >= self.threshold
+        if not isinstance(self.fc1, QWeight):
+            return F.linear(F.relu(F.linear(x, self.fc1.float())), self.fc2.float()) >= self.threshold
+        return linear(F.relu(linear(x, self.fc1)), self.fc2) >= self.threshold
 
 
 def _pinned(shape, dtype) -> torch.Tensor:
