@@ -537,9 +537,15 @@ def _table(args) -> int:
     print("| model | machine | engine | threads | -ngl | prefill tok/s | decode tok/s | decode vs llama.cpp | "
           "of bandwidth bound |")
     print("|---|---|---|---|---|---|---|---|---|")
-    kernel_files = []
+    kernel_files, hybrid_files = [], []
     for path in args.files:
         d = json.loads(Path(path).read_text())
+        if not isinstance(d, dict) or "machine" not in d:  # plans, predictor reports: not benchmark results
+            print(f"hs-bench: {path}: not an hs-bench result; skipped", file=sys.stderr)
+            continue
+        if "runs" in d and "mode" in d:  # an `hs-bench hybrid` file: its own table below
+            hybrid_files.append(d)
+            continue
         if "prompt_tokens" not in d:  # an `hs-bench kernels` file: its own table below
             kernel_files.append(d)
             continue
@@ -553,6 +559,8 @@ def _table(args) -> int:
             print(f"| {Path(r.get('model', d['results'][0].get('model', '?'))).name} | {where} | {label} | "
                   f"{r['threads']} | {r['n_gpu_layers']} | {r['prefill_tok_s']:.1f} | {r['decode_tok_s']:.1f} | "
                   f"{ratio} | {frac} |")
+    for d in hybrid_files:
+        print("\n" + hybrid_table(d))
     for d in kernel_files:
         m = d["machine"]
         bw = m.get("read_bandwidth_gib_s") or m["cpu_read_bandwidth_gib_s"]
