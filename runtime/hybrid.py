@@ -57,6 +57,25 @@ class LayerPredictor:
         return linear(F.relu(linear(x, self.fc1)), self.fc2) >= self.threshold
 
 
+# Host-side time per part of the hybrid FFN, summed over calls, when HS_HYBRID_TIMING=1 (tools only).
+TIMING: dict[str, float] | None = {} if __import__("os").environ.get("HS_HYBRID_TIMING") == "1" else None
+
+
+class _timed:
+    def __init__(self, name):
+        self.name = name
+
+    def __enter__(self):
+        if TIMING is not None:
+            import time
+            self.t = time.perf_counter()
+
+    def __exit__(self, *exc):
+        if TIMING is not None:
+            import time
+            TIMING[self.name] = TIMING.get(self.name, 0.0) + time.perf_counter() - self.t
+
+
 def _pinned(shape, dtype) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, pin_memory=torch.cuda.is_available())
 
@@ -153,20 +172,25 @@ class HybridFFN:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         dev = x.device
-        mask = self.active(x)
+        with _timed("predictor"):
+            mask = self.active(x)
         cold_in = None
         if self.n_cold:
-            cold_in = self._send_to_cpu(x, None if mask is None else mask.index_select(1, self._ids(self._cold_on, dev)))
+            with _timed("send to CPU"):
+                cold_in = self._send_to_cpu(x, None if mask is None else
+                                            mask.index_select(1, self._ids(self._cold_on, dev)))
         y = None
         if self.n_hot:
-            xf = x.to(self.fast)
-            mh = None if mask is None else mask.to(self.fast).index_select(1, self._ids(self._hot_on, self.fast))
-            y = self._hot(xf, mh).to(dev)
+            with _timed("hot launch"):
+                xf = x.to(self.fast)
+                mh = None if mask is None else mask.to(self.fast).index_select(1, self._ids(self._hot_on, self.fast))
+                y = self._hot(xf, mh).to(dev)
         if cold_in is not None:
             yc = self._cold(*cold_in)
             if yc is not None:
-                yc = yc.to(dev, non_blocking=True) if dev.type == "cuda" else yc
-                y = yc if y is None else y + yc
+                with _timed("copy back"):
+                    yc = yc.to(dev, non_blocking=True) if dev.type == "cuda" else yc
+                    y = yc if y is None else y + yc
         if y is None:
             y = x.new_zeros(x.shape[0], self.down_t.in_features)
         if self.full.down_bias is not None:
@@ -218,7 +242,12 @@ class HybridFFN:
 
     def _cold(self, x: torch.Tensor, cold_mask: torch.Tensor | None, event=None) -> torch.Tensor | None:
         if event is not None:
-            event.synchronize()
+            with _timed("wait for GPU"):
+                event.synchronize()
+        with _timed("CPU FFN"):
+            return self._cold_compute(x, cold_mask)
+
+    def _cold_compute(self, x: torch.Tensor, cold_mask: torch.Tensor | None) -> torch.Tensor | None:
         w, spec = self.full, self.spec
         if cold_mask is None:
             idx, tok = self.cold_ids, None

@@ -40,6 +40,7 @@ def open_model(path: str | Path | None, n_gpu_layers: int = -1, device: str | No
     """n_gpu_layers: llama.cpp's -ngl (negative: everything on the GPU when CUDA is present).
     hybrid: `hybrid.HybridOptions` to run the FFNs split by neuron (the GPU index) instead."""
     gguf = GGUFFile(path if path is not None else default_model_path())
+    gguf.populate()
     model = load_model(gguf)
     tokenizer = Tokenizer(gguf)
     if hybrid is not None:
