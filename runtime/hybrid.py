@@ -189,7 +189,13 @@ class HybridFFN:
             yc = self._cold(*cold_in)
             if yc is not None:
                 with _timed("copy back"):
-                    yc = yc.to(dev, non_blocking=True) if dev.type == "cuda" else yc
+                    if dev.type == "cuda":  # through a pinned buffer: the host goes on queueing work
+                        key = ("out", yc.shape[0])
+                        if key not in self._pinned:
+                            self._pinned[key] = (_pinned(yc.shape, torch.float32), None)
+                        out = self._pinned[key][0]
+                        out.copy_(yc)
+                        yc = out.to(dev, non_blocking=True)
                     y = yc if y is None else y + yc
         if y is None:
             y = x.new_zeros(x.shape[0], self.down_t.in_features)
