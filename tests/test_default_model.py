@@ -71,3 +71,14 @@ def test_hs_run_default_model():
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("Once upon a time") and len(r.stdout) > 30
     assert "prompt eval time" in r.stderr and "tokens per second" in r.stderr
+
+
+def test_hs_run_default_model_hybrid_dense_is_the_same_text():
+    """The hybrid runtime on the default model (CPU only, every neuron, ffn_down transposed once into a
+    cached F16 file): the same greedy text as the plain runtime."""
+    base = [sys.executable, "-m", "hybridsparse.runtime.cli", "-n", "16", "--temp", "0", "-t", "2", "-p", "The sea"]
+    plain = subprocess.run(base, capture_output=True, text=True, timeout=300)
+    hybrid = subprocess.run(base + ["--dense", "--vram-budget", "0"], capture_output=True, text=True, timeout=300)
+    assert plain.returncode == 0 and hybrid.returncode == 0, hybrid.stderr
+    assert "hybrid: dense mode" in hybrid.stderr
+    assert hybrid.stdout == plain.stdout
