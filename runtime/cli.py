@@ -95,8 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def add_hybrid_args(ap: argparse.ArgumentParser) -> None:
     """The hybrid CPU/GPU sparse runtime's flags (PowerInfer's names where it has them)."""
-    g = ap.add_argument_group("hybrid sparse runtime (on when any of these is given, or when the model has "
-                              "predictors and -ngl is not)")
+    g = ap.add_argument_group("hybrid sparse runtime (on when any of these is given, or when the model file "
+                              "carries predictors, as PowerInfer's do, and -ngl is not)")
     g.add_argument("--vram-budget", type=float, default=None, metavar="GiB",
                    help="GPU memory to use, everything counted (default: all free VRAM minus 0.5 GiB; 0 = CPU only)")
     g.add_argument("--reset-gpu-index", action="store_true",

@@ -177,8 +177,9 @@ class HybridFFN:
         cold_in = None
         if self.n_cold:
             with _timed("send to CPU"):
-                cold_in = self._send_to_cpu(x, None if mask is None else
-                                            mask.index_select(1, self._ids(self._cold_on, dev)))
+                cold_mask = mask if (mask is None or not self.n_hot) else \
+                    mask.index_select(1, self._ids(self._cold_on, dev))  # every neuron is cold: as it is
+                cold_in = self._send_to_cpu(x, cold_mask)
         y = None
         if self.n_hot:
             with _timed("hot launch"):
@@ -226,6 +227,8 @@ class HybridFFN:
         return xh, mh, self._event
 
     def _hot(self, x: torch.Tensor, mh: torch.Tensor | None) -> torch.Tensor:
+        if x.is_cuda and x.shape[0] > kernels.CUDA_MAX_GEMV_TOKENS:
+            return self._hot_batch(x, mh)
         union = None if mh is None else (mh[0] if mh.shape[0] == 1 else mh.any(0))
         u = kernels.sparse_rowdot(self.up_hot.data, self.up_hot.qtype, x, None, union, check=False)
         if self.up_bias_hot is not None:
@@ -235,6 +238,17 @@ class HybridFFN:
         if mh is not None:
             h = h * mh
         return kernels.sparse_axpy(self.down_t_hot.data, self.down_t_hot.qtype, h.contiguous(), None, check=False)
+
+    def _hot_batch(self, x: torch.Tensor, mh: torch.Tensor | None) -> torch.Tensor:
+        """Prefill on the GPU: the resident hot rows as dense matmuls (cuBLAS, block formats
+        dequantized a slice at a time), the per-token mask applied to the activations."""
+        u = kernels.matmul(x, self.up_hot.data, self.up_hot.qtype)
+        if self.up_bias_hot is not None:
+            u = u + self.up_bias_hot
+        h = self._act(u, None if self.gate_hot is None else kernels.matmul(x, self.gate_hot.data, self.gate_hot.qtype))
+        if mh is not None:
+            h = h * mh
+        return kernels.matmul_t(h, self.down_t_hot.data, self.down_t_hot.qtype)
 
     def _act(self, u: torch.Tensor, g: torch.Tensor | None) -> torch.Tensor:
         spec = self.spec
@@ -404,9 +418,8 @@ def load_layer_predictors(model_path: Path, model, opts: HybridOptions) -> list[
 
 
 def load_predictors_available(model_path: Path) -> bool:
-    """Whether the model has predictors (side file, or PowerInfer tensors in it): hs-run then goes hybrid."""
-    if _side_path(model_path, ".predictors.gguf").is_file():
-        return True
+    """Whether the model file carries predictors (a PowerInfer GGUF): hs-run then goes hybrid unasked,
+    as PowerInfer does. Predictors in a side file are used once a hybrid flag (--vram-budget) asks."""
     if not model_path.is_file():
         return False
     from .gguf_file import GGUFFile

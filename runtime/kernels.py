@@ -262,7 +262,13 @@ def matmul_t(h: torch.Tensor, data: torch.Tensor, qtype: Q) -> torch.Tensor:
     """h [T, rows] times the weight [rows, in] (stored format) -> [T, in] float32."""
     if data.is_cuda and qtype in FLOAT_TYPES:
         return (h.to(data.dtype) @ data).float()
-    if qtype == Q.F32 or data.is_cuda:
+    if data.is_cuda:  # a slice of rows at a time in float16: never a float32 copy of the whole weight
+        hh, out = h.half(), None
+        for i in range(0, data.shape[0], _DEQUANT_CHUNK_ROWS):
+            part = hh[:, i:i + _DEQUANT_CHUNK_ROWS] @ dequantize(data[i:i + _DEQUANT_CHUNK_ROWS], qtype).half()
+            out = part.float() if out is None else out + part.float()
+        return out if out is not None else h.new_zeros(h.shape[0], row_elements(qtype, data.shape[1]))
+    if qtype == Q.F32:
         return matmul_t_reference(h, data, qtype)
     if qtype in CPU_AXPY_QTYPES and ops() is not None:
         return cpu.qmatmul_t(data, int(qtype), h.contiguous())
