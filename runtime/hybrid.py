@@ -18,6 +18,8 @@ profile's per-neuron frequencies, so the sets have published statistics).
 from __future__ import annotations
 
 import logging
+import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,7 +60,7 @@ class LayerPredictor:
 
 
 # Host-side time per part of the hybrid FFN, summed over calls, when HS_HYBRID_TIMING=1 (tools only).
-TIMING: dict[str, float] | None = {} if __import__("os").environ.get("HS_HYBRID_TIMING") == "1" else None
+TIMING: dict[str, float] | None = {} if os.environ.get("HS_HYBRID_TIMING") == "1" else None
 
 
 class _timed:
@@ -67,12 +69,10 @@ class _timed:
 
     def __enter__(self):
         if TIMING is not None:
-            import time
             self.t = time.perf_counter()
 
     def __exit__(self, *exc):
         if TIMING is not None:
-            import time
             TIMING[self.name] = TIMING.get(self.name, 0.0) + time.perf_counter() - self.t
 
 
@@ -133,10 +133,6 @@ class HybridFFN:
         if not self.n_hot or self.fast.type != "cuda":
             return 0
         return sum(q.nbytes for q in (self.gate_hot, self.up_hot, self.down_t_hot) if q is not None)
-
-    def place_predictor(self, device: torch.device) -> None:
-        if self.predictor is not None:
-            self.predictor = self.predictor.to(device)
 
     # --- the active set --------------------------------------------------------------------------
 
@@ -469,7 +465,6 @@ def cuda_budget(budget_gib: float | None, device: torch.device) -> int:
 def _process_device_bytes(device: torch.device) -> int | None:
     """Device memory this process holds outside torch's allocator (the CUDA context, modules), from
     NVML's per-process figure; None when NVML is not importable."""
-    import os
     torch.zeros(1, device=device)  # the context exists from here on
     try:
         import pynvml
@@ -487,7 +482,6 @@ def _process_device_bytes(device: torch.device) -> int | None:
 
 
 def _nvidia_smi_process_bytes(device: torch.device) -> int | None:
-    import os
     import shutil
     import subprocess
     smi = shutil.which("nvidia-smi")
@@ -569,9 +563,10 @@ def setup_hybrid(model, model_path: Path, opts: HybridOptions, log_line=print) -
     model.apply_placement(placement, build, progress=lambda it: tqdm(
         it, desc="placing layers", unit="layer", leave=False, disable=len(it) < 8))
     gpu_neurons = sum(int(l.ffn.n_hot) for l in model.layers)
+    hot_bytes = sum(l.ffn.gpu_bytes for l in model.layers)
     report = {"source": source, "mode": opts.mode, "fast_device": str(fast) if fast else None,
               "vram_budget": budget, "cuda_context_bytes": context_bytes, "attn_fast": sum(attn_fast), "head_fast": head_fast,
-              "hot_neurons": gpu_neurons, "neurons": c.n_ff * c.n_layers}
+              "hot_neurons": gpu_neurons, "hot_neuron_bytes": hot_bytes, "neurons": c.n_ff * c.n_layers}
     log_line(f"hybrid: {opts.mode} mode, {source}; attention of {sum(attn_fast)}/{c.n_layers} layers and "
              f"{gpu_neurons}/{c.n_ff * c.n_layers} FFN neurons on {fast or 'no fast device'}, output head on "
              f"{head_dev.type}")
