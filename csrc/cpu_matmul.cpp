@@ -39,6 +39,13 @@ using DotF = float (*)(const void*, const float*, int64_t);
 DotQ8 pick_q8(int64_t qtype) {
   const bool v = cpu_has_avx2();
 #ifdef HS_X86
+  if (cpu_has_avx512()) {
+    switch (qtype) {
+      case Q4_0: return dot_q4_0_avx512;
+      case Q5_0: return dot_q5_0_avx512;
+      case Q8_0: return dot_q8_0_avx512;
+    }
+  }
   if (v) {
     switch (qtype) {
       case Q4_0: return dot_q4_0_avx2;
@@ -76,6 +83,7 @@ DotQ8K pick_q8k(int64_t qtype) {
 
 DotF pick_float(int64_t qtype) {
 #ifdef HS_X86
+  if (cpu_has_avx512() && qtype == F16) return dot_f16_avx512;
   if (cpu_has_avx2()) return qtype == F16 ? dot_f16_avx2 : dot_bf16_avx2;
 #endif
   return qtype == F16 ? dot_float_ref<c10::Half> : dot_float_ref<c10::BFloat16>;
@@ -261,7 +269,7 @@ DotTokensK pick_tokens_k(int64_t qtype, int nt) {
 }
 
 // Which CPU code path the dot products take on this machine ("avx2" or "scalar").
-std::string cpu_path() { return cpu_has_avx2() ? "avx2" : "scalar"; }
+std::string cpu_path() { return cpu_has_avx512() ? "avx512" : cpu_has_avx2() ? "avx2" : "scalar"; }
 
 // Index of the largest value of a float32 vector (greedy sampling), ties to the lowest index.
 int64_t argmax_cpu(const at::Tensor& x) {
