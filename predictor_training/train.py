@@ -130,8 +130,9 @@ def train(profile_dir: Path, n_layers: int, d_model: int, n_ff: list[int], width
           log=print) -> list[LayerResult]:
     from tqdm import tqdm
     results = []
-    per_layer_budget = budget_params // n_layers
+    remaining = budget_params  # a total: what a layer leaves unused, later layers may use
     for layer in tqdm(range(n_layers), desc="training predictors", unit="layer", file=sys.stderr):
+        per_layer_budget = remaining // (n_layers - layer)
         x, packed = load_samples(profile_dir, layer)
         mask = torch.from_numpy(np.unpackbits(packed.numpy(), axis=1)[:, :n_ff[layer]].astype(bool))
         if x.shape[1] != d_model:
@@ -149,6 +150,10 @@ def train(profile_dir: Path, n_layers: int, d_model: int, n_ff: list[int], width
                 chosen = r
             if r.predicted_density <= slack * max(true_density, 1e-6) or params > per_layer_budget:
                 break  # the smallest width that is good enough (or the largest the budget allows)
+        if chosen.params > per_layer_budget:
+            log(f"layer {layer:3d}: even the smallest width ({chosen.width}) is over this layer's share of the "
+                f"predictor budget ({chosen.params} > {per_layer_budget} parameters): add a smaller --widths")
+        remaining -= chosen.params
         if (profile_dir / "samples_heldout" / f"layer_{layer}").is_dir():  # text never trained on
             hx, hpacked = load_samples(profile_dir, layer, "samples_heldout")
             hmask = torch.from_numpy(np.unpackbits(hpacked.numpy(), axis=1)[:, :n_ff[layer]].astype(bool))
@@ -273,7 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--recall-margin", type=float, default=0.004, help="thresholds are set for recall + this on "
                     "the validation samples, since text the predictors never saw costs some recall "
                     "(default: %(default)s)")
-    ap.add_argument("--widths", default="64,128,256,512,1024", help="hidden widths to try, smallest first")
+    ap.add_argument("--widths", default="32,64,128,256,512,1024", help="hidden widths to try, smallest first")
     ap.add_argument("--budget", type=float, default=0.10, help="predictor parameters as a share of the FFN's "
                     "(default: %(default)s)")
     ap.add_argument("--density-slack", type=float, default=1.5, help="accept a width once predicted density <= "
