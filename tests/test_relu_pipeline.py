@@ -27,9 +27,9 @@ def test_trained_relu_model_through_profile_predictors_and_placement(tmp_path):
     # neurons carries well over a fifth of its activations); the first layer is the densest
     assert np.mean([f.mean() for f in freqs]) < 0.4
     assert max(f[: len(f) // 5].sum() / f.sum() for f in freqs) > 0.35
-    assert T.main(["-m", str(model), "--widths", "32,64,128", "--budget", "0.12"]) == 0
+    assert T.main(["-m", str(model), "--widths", "32,64,128", "--budget", "0.25"]) == 0
     report = json.loads((tmp_path / "relu.predictors.json").read_text())
-    assert report["summary"]["share_of_ffn_params"] <= 0.12  # the budget is a total over the layers
+    assert report["summary"]["share_of_ffn_params"] <= 0.25  # the budget is a total over the layers
     for row in report["layers"]:
         assert row["recall"] >= 0.98
         assert row["predicted_density"] <= 1.5 * row["true_density"]
