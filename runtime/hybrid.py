@@ -525,6 +525,8 @@ def setup_hybrid(model, model_path: Path, opts: HybridOptions, log_line=print) -
         fast = torch.device(opts.device)
     elif torch.cuda.is_available() and opts.vram_budget != 0:
         fast = torch.device("cuda")
+    elif opts.vram_budget:
+        log_line(f"no CUDA GPU here: --vram-budget {opts.vram_budget:g} does not apply, everything runs on the CPU")
     hot = [np.zeros(0, np.int64)] * c.n_layers
     attn_fast, head_fast, budget, source = [False] * c.n_layers, False, 0, "CPU only"
     context_bytes = 0

@@ -143,11 +143,12 @@ def test_hs_run_hybrid_flags(tmp_path):
     base = ["-m", str(model), "-p", "Hello", "-n", "8", "--temp", "0", "-t", "1"]
     plain = hs_run(*base)
     assert plain.returncode == 0, plain.stderr
-    for extra in (["--dense", "--vram-budget", "0"], ["--oracle", "--vram-budget", "0"]):
+    for extra in (["--dense", "--vram-budget", "0"], ["--oracle", "--vram-budget", "0"], ["--dense", "--vram-budget", "2"]):
         r = hs_run(*base, *extra)
         assert r.returncode == 0, r.stderr
         assert r.stdout == plain.stdout, extra
         assert "hybrid:" in r.stderr
+        assert ("does not apply" in r.stderr) == (extra[-1] == "2")  # no GPU here: said, then CPU only
     bad = {
         ("--vram-budget", "0"): "no predictors",
         ("--predictors", str(tmp_path / "nope.gguf")): "no such predictor file",
