@@ -159,3 +159,21 @@ def test_hs_run_hybrid_flags(tmp_path):
     for extra, needle in bad.items():
         r = hs_run(*base, *extra)
         assert r.returncode == 1 and needle in r.stderr and len(r.stderr.strip().splitlines()) == 1, (extra, r.stderr)
+
+
+def test_predictors_of_another_model_are_one_clear_error(tmp_path):
+    """Predictors whose shapes do not fit the model, or a damaged predictor file: one line naming the file."""
+    from hybridsparse.predictor_training.train import LayerResult, write_predictors
+    model = tiny_llama(tmp_path / "tiny.gguf", act="relu")
+    base = ["-m", str(model), "-p", "Hi", "-n", "2", "-t", "1", "--vram-budget", "0"]
+    wrong = [LayerResult(i, 4, 0.0, 1.0, 1.0, 0.5, 0.5, 0, torch.randn(4, 32), torch.randn(128, 4)) for i in range(2)]
+    bad = write_predictors(tmp_path / "other.gguf", wrong, {})
+    r = hs_run(*base, "--predictors", str(bad))
+    assert r.returncode == 1 and "other.gguf" in r.stderr and "expected [rank, 64]" in r.stderr, r.stderr
+    few = write_predictors(tmp_path / "few.gguf", wrong[:1], {})
+    r = hs_run(*base, "--predictors", str(few))
+    assert r.returncode == 1 and "1 layers of predictors, the model has 2" in r.stderr, r.stderr
+    damaged = tmp_path / "damaged.gguf"
+    damaged.write_bytes(bad.read_bytes()[:200])
+    r = hs_run(*base, "--predictors", str(damaged))
+    assert r.returncode == 1 and "damaged.gguf" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
