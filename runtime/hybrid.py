@@ -539,6 +539,10 @@ def setup_hybrid(model, model_path: Path, opts: HybridOptions, log_line=print) -
             raise InputError(f"--device {fast}: the hybrid runtime's fast device is a CUDA GPU")
         budget, context_bytes = cuda_budget(opts.vram_budget, fast)
         index, solved = _index(model_path, profile_dir, budget, opts, log_line)
+        if len(index.n_ff) != c.n_layers or any(n != c.n_ff for n in index.n_ff):
+            raise InputError(f"{opts.gpu_index or 'the GPU index'}: made for {len(index.n_ff)} layers of "
+                             f"{index.n_ff[0] if index.n_ff else 0} neurons, the model has {c.n_layers} of {c.n_ff}: "
+                             "pass --reset-gpu-index")
         attn_fast = list(index.meta.get("attn_gpu", [True] * c.n_layers))
         head_fast = bool(index.meta.get("head_gpu", False))
         if not opts.disable_gpu_index:
