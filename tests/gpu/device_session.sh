@@ -7,6 +7,8 @@
 #   split: the 13B layer split (-ngl 11) and CPU-only
 #   synth13: a 13B-shaped F16 model in PowerInfer layout with a power-law profile in /dev/shm
 #   hybrid: hs-bench hybrid on it: hybrid vs layer split at 4/8/11/24 GiB vs CPU only, peak memory
+#   hprof: host time per part of a hybrid step on it (HS_HYBRID_TIMING) at HS_PROFILE_BUDGET GiB
+#   One 10-minute call fits HS_STAGES=synth13,hybrid,hprof after a build (~5 min with -n 16).
 set -uo pipefail
 OUT=${OUT:-gpu-results}
 mkdir -p "$OUT"
@@ -70,4 +72,8 @@ fi
 if [[ $STAGES == *,hybrid,* ]]; then
 hs-bench hybrid -m /dev/shm/llama-13b-f16.gguf --mode sampled -t 16 -n ${HS_N:-24} --budgets ${HS_BUDGETS:-4,8,11,24} \
   --timeout 200 ${HS_HYBRID_ARGS:-} --json "$OUT/hybrid_llama13b_f16${HS_TAG:-}.json" 2>&1 | tail -30
+fi
+if [[ $STAGES == *,hprof,* ]]; then
+HS_HYBRID_TIMING=1 timeout 120 python3 tests/gpu/profile_hybrid.py /dev/shm/llama-13b-f16.gguf ${HS_PROFILE_BUDGET:-11} 2>&1 \
+  | grep -v "^hybrid:" | head -40 | tee "$OUT/profile_hybrid.txt"
 fi
