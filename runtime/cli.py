@@ -110,6 +110,9 @@ def add_hybrid_args(ap: argparse.ArgumentParser) -> None:
                    "(default: <model>.predictors.gguf, else the model's own blk.N.fc1/fc2)")
     g.add_argument("--profile", help="activation profile directory (default: <model>.hs-profile)")
     g.add_argument("--gpu-index", help="GPU index file (default: <model>.generated.gpuidx)")
+    g.add_argument("--measure", action="store_true", help="when the placement must be solved, measure this "
+                   "machine's CPU/GPU read bandwidth and hand-over first (as hs-solve --measure) instead of "
+                   "hs-solve's default figures")
 
 
 def hybrid_options(args, model_path):
@@ -131,7 +134,13 @@ def hybrid_options(args, model_path):
                          else "predictor", predictors=args.predictors, profile=args.profile,
                          gpu_index=args.gpu_index, reset_gpu_index=args.reset_gpu_index,
                          disable_gpu_index=args.disable_gpu_index, n_ctx=args.ctx_size if args.ctx_size > 0 else 4096,
-                         device=args.device)
+                         device=args.device, hardware=_measured_hardware if args.measure else None)
+
+
+def _measured_hardware():
+    """hs-solve --measure's figures, taken only when a solve needs them."""
+    from hybridsparse.solver import cli as solver_cli
+    return solver_cli.measure_hardware(solver_cli.build_parser().parse_args(["--measure"]))
 
 
 def _run(args) -> int:

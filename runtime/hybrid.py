@@ -378,7 +378,7 @@ class HybridOptions:
     hot: list | None = None  # explicit hot neuron ids per layer instead of a GPU index (tests)
     attn_fast: list | None = None  # with `hot`: which layers' attention runs on the fast device
     head_fast: bool = False
-    hardware: object = None  # solver.plan.Hardware for a solve here (default: hs-solve's default figures)
+    hardware: object = None  # solver.plan.Hardware (or a function giving one) for a solve here; None: defaults
 
 
 def _side_path(model: Path, suffix: str) -> Path:
@@ -608,7 +608,8 @@ def _index(model_path: Path, profile_dir: Path, budget: int, opts: HybridOptions
         save_profile(profile_dir, [torch.zeros(n, dtype=torch.float64) for n in n_ff], 1, {"criterion": "none"})
     out = io.StringIO()
     index, solved = solver_cli.ensure_index(model_path, profile_dir, budget, opts.n_ctx, reset=opts.reset_gpu_index,
-                                            hw=opts.hardware, index_path=index_path, out=out, tag="hs-run")
+                                            hw=opts.hardware() if callable(opts.hardware) else opts.hardware,
+                                            index_path=index_path, out=out, tag="hs-run")
     for line in out.getvalue().splitlines():
         log_line(line)
     return index, solved
