@@ -494,6 +494,11 @@ def _placement_bytes(lm, cfg) -> tuple[float, float, float]:
     from .hybrid import HybridFFN
     model, g = lm.model, lm.gguf
     gbw, cbw = cfg["gpu_bw"] * 2**30 or 1.0, cfg["cpu_bw"] * 2**30
+    freqs = None  # predictor mode: the expected active bytes come from the profile's frequencies
+    profile_dir = Path(g.path).with_name(Path(g.path).stem + ".hs-profile")
+    if cfg.get("mode") == "predictor" and profile_dir.is_dir():
+        from hybridsparse.profiler.activations import load_profile
+        freqs = load_profile(profile_dir).frequencies()
     total_g = total_c = bound = 0.0
     for i, layer in enumerate(model.layers):
         dev = model.placement.layers[i].type
@@ -504,12 +509,15 @@ def _placement_bytes(lm, cfg) -> tuple[float, float, float]:
         gb = attn if dev == "cuda" else 0.0
         cb = attn if dev != "cuda" else 0.0
         f = layer.ffn
-        if isinstance(f, HybridFFN) and f.mode != "dense" and f.freq is not None:
+        freq = None
+        if isinstance(f, HybridFFN):
+            freq = f.freq if f.freq is not None else (freqs[i].float() if freqs is not None else None)
+        if isinstance(f, HybridFFN) and f.mode != "dense" and freq is not None:
             per = ffn_bytes / f.n_ff
             hot = torch.zeros(f.n_ff, dtype=torch.bool)
             if f.n_hot:
                 hot[f._hot_on[torch.device("cpu")]] = True
-            freq = f.freq.cpu()
+            freq = freq.cpu()
             gb += float(freq[hot].sum()) * per * (f.fast is not None and f.fast.type == "cuda")
             cb += float(freq[~hot].sum()) * per
             pred = f.predictor.fc1.nbytes + f.predictor.fc2.nbytes
