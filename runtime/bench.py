@@ -432,7 +432,8 @@ def _hybrid_row(r: dict) -> str:
 
 def hybrid_table(d: dict) -> str:
     m = d["machine"]
-    lines = [f"Hybrid vs layer split on {m.get('gpu', '')} + {m['cpu']} ({Path(d['model']).name}, {d['mode']} "
+    where = f"{m['gpu']} + {m['cpu']}" if m.get("gpu") else f"{m['cpu']} (no GPU)"
+    lines = [f"Hybrid vs layer split on {where} ({Path(d['model']).name}, {d['mode']} "
              "activity):", "", "| VRAM budget GiB | engine | placement | decode tok/s | vs layer split | "
              "of bound | peak device GiB |", "|---|---|---|---|---|---|---|"]
     for r in d["runs"]:
