@@ -122,7 +122,8 @@ class LlamaCppRunner:
     def __init__(self, model_path, threads: int, n_gpu_layers: int, prompt_tokens: int, n_gen: int):
         from llama_cpp import Llama
         self.llm = Llama(model_path=str(model_path), n_threads=threads, n_gpu_layers=n_gpu_layers,
-                         n_ctx=prompt_tokens + n_gen + 8, verbose=False, seed=0)
+                         n_ctx=prompt_tokens + n_gen + 8, n_batch=max(512, prompt_tokens + n_gen + 8),
+                         verbose=False, seed=0)
         base = self.llm.tokenize(b"Once upon a time", add_bos=True)
         self.prompt = (base * (prompt_tokens // len(base) + 1))[:prompt_tokens]
         self.n_gen, self.threads, self.n_gpu_layers = n_gen, threads, n_gpu_layers
@@ -565,7 +566,10 @@ def _table(args) -> int:
             label = r["engine"] + ("" if r.get("cuda_graphs", True) else " (no CUDA graphs)")
             ratio = f"{d['decode_ratio_vs_llama_cpp']:.2f}x" if ours and "decode_ratio_vs_llama_cpp" in d else ""
             frac = f"{100 * d['fraction_of_bound']:.0f}%" if ours and r.get("cuda_graphs", True) else ""
-            print(f"| {Path(r.get('model', d['results'][0].get('model', '?'))).name} | {where} | {label} | "
+            name = Path(r.get('model', d['results'][0].get('model', '?'))).name
+            if d.get("prompt_tokens", 64) != 64:
+                name += f" ({d['prompt_tokens']}-token prompt)"
+            print(f"| {name} | {where} | {label} | "
                   f"{r['threads']} | {r['n_gpu_layers']} | {r['prefill_tok_s']:.1f} | {r['decode_tok_s']:.1f} | "
                   f"{ratio} | {frac} |")
     for d in hybrid_files:

@@ -39,6 +39,10 @@ CUDA_MAX_GEMV_TOKENS = 8  # csrc/cuda_sparse.cu: cuda_max_tokens()
 # (torch's F.linear); HS_CUDA_GEMV picks, for side-by-side benchmarks.
 CUDA_GEMV = os.environ.get("HS_CUDA_GEMV", "ours")
 _DEQUANT_CHUNK_ROWS = 8192
+# Prefill on the CPU: from this many tokens per call, a slice of rows dequantized to float32 and torch's
+# GEMM beat the compiled per-row dot products (the dequantization is paid once for all the tokens).
+CPU_GEMM_TOKENS = int(os.environ.get("HS_CPU_GEMM_TOKENS", "128"))
+_CPU_GEMM_CHUNK_ROWS = 1024
 
 _ops = None
 _load_error: str | None = None
@@ -248,9 +252,21 @@ def matmul(x: torch.Tensor, data: torch.Tensor, qtype: Q) -> torch.Tensor:
                           for i in range(0, data.shape[0], _DEQUANT_CHUNK_ROWS)], dim=-1)
     if qtype == Q.F32:
         return F.linear(x, data)
+    if x.shape[0] >= CPU_GEMM_TOKENS:
+        return cpu_gemm(x, data, qtype)
     if qtype in CPU_QTYPES and ops() is not None:
         return cpu.qmatmul(data, int(qtype), x.contiguous())
     return matmul_reference(x, data, qtype)
+
+
+def cpu_gemm(x: torch.Tensor, data: torch.Tensor, qtype: Q) -> torch.Tensor:
+    """Many tokens on the CPU: dequantize a slice of rows at a time (never the whole weight in float32)
+    and let torch's GEMM do the arithmetic."""
+    rows = data.shape[0]
+    out = torch.empty(x.shape[0], rows, dtype=torch.float32)
+    for i in range(0, rows, _CPU_GEMM_CHUNK_ROWS):
+        torch.matmul(x, dequantize(data[i:i + _CPU_GEMM_CHUNK_ROWS], qtype).T, out=out[:, i:i + _CPU_GEMM_CHUNK_ROWS])
+    return out
 
 
 def matmul_t_reference(h: torch.Tensor, data: torch.Tensor, qtype: Q) -> torch.Tensor:

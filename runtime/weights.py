@@ -78,7 +78,7 @@ def linear_t(h: torch.Tensor, w_t: QWeight) -> torch.Tensor:
 def linear_many(x: torch.Tensor, ws: list[QWeight]) -> list[torch.Tensor]:
     """Several projections of one input (q/k/v, gate/up): on the CPU one compiled call for all; on
     the GPU one matmul when the weights are consecutive rows of one buffer (see `fuse_rows`)."""
-    if kernels.use_cpu_op(x) and all(w.qtype in kernels.CPU_QTYPES for w in ws):
+    if kernels.use_cpu_op(x) and x.shape[0] < kernels.CPU_GEMM_TOKENS and all(w.qtype in kernels.CPU_QTYPES for w in ws):
         return kernels.cpu.qmatmul_multi([w.data for w in ws], [int(w.qtype) for w in ws], x.contiguous())
     span = _spanning(ws)
     if span is not None:

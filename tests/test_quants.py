@@ -11,6 +11,7 @@ from gguf import quants as gguf_quants
 
 from hybridsparse.runtime import kernels
 from hybridsparse.runtime.quants import dequantize
+from hybridsparse.runtime.weights import QWeight, linear_many
 from quant_utils import quantize_activations, random_rows
 
 BLOCK_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
@@ -195,3 +196,17 @@ def test_transposed_k_quant_rows_use_the_twin(qtype):
     w = random_rows(qtype, 8, 256)
     h = torch.randn(2, 8)
     torch.testing.assert_close(kernels.matmul_t(h, w, qtype), kernels.matmul_t_reference(h, w, qtype))
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", [Q.F16, Q.BF16, Q.Q4_0, Q.Q8_0, Q.Q4_K, Q.Q6_K])
+def test_many_token_cpu_gemm_matches_twin(qtype, threads):
+    """From CPU_GEMM_TOKENS tokens on, `matmul` dequantizes slices of rows for torch's GEMM: same result
+    as the twin (and rows beyond one slice are all written)."""
+    w = random_rows(qtype, kernels._CPU_GEMM_CHUNK_ROWS + 37, 256, seed=3)
+    x = torch.randn(kernels.CPU_GEMM_TOKENS + 3, 256)
+    torch.testing.assert_close(kernels.matmul(x, w, qtype), kernels.matmul_reference(x, w, qtype),
+                               rtol=1e-4, atol=1e-4)
+    ws = [QWeight.from_raw(w[:300], qtype, 256), QWeight.from_raw(w[300:400], qtype, 256)]
+    for y, q in zip(linear_many(x, ws), ws):
+        torch.testing.assert_close(y, kernels.matmul_reference(x, q.data, qtype), rtol=1e-4, atol=1e-4)
