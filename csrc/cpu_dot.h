@@ -210,6 +210,20 @@ HS_AVX2 static inline __m256i block_dot2_unsigned(__m256i qu, const ActQ8& a) {
 // times the activation sum once per block: no sign juggling in the inner loop. NT tokens at once
 // (prefill): each weight block is unpacked once for all of them; a[t * stride + b] is block b of
 // token t, out[t] receives its dot product.
+// block b of a Q4_0 / Q5_0 row as 32 unsigned values (0..15 / 0..31) and its scale
+template <int64_t QT>
+HS_AVX2 static inline __m256i unsigned_block_q45_0(const void* row, int64_t b, float& dw) {
+  if constexpr (QT == Q4_0) {
+    const BlockQ4_0& w = static_cast<const BlockQ4_0*>(row)[b];
+    dw = _cvtsh_ss(w.d);
+    return nibbles_32(w.qs);
+  } else {
+    const BlockQ5_0& w = static_cast<const BlockQ5_0*>(row)[b];
+    dw = _cvtsh_ss(w.d);
+    return _mm256_or_si256(nibbles_32(w.qs), _mm256_and_si256(bytes_from_bits_32(w.qh), _mm256_set1_epi8(0x10)));
+  }
+}
+
 template <int64_t QT, int NT>
 HS_AVX2 static inline void dot_q45_0_tokens_avx2(const void* row, const ActQ8* a, int64_t nb, int64_t stride,
                                                  float* out) {
@@ -218,17 +232,8 @@ HS_AVX2 static inline void dot_q45_0_tokens_avx2(const void* row, const ActQ8* a
   for (int t = 0; t < NT; ++t) { acc[t] = _mm256_setzero_ps(); corr[t] = 0.f; }
   constexpr float offset = QT == Q4_0 ? 8.f : 16.f;
   for (int64_t b = 0; b < nb; ++b) {
-    __m256i qu;
     float dw;
-    if constexpr (QT == Q4_0) {
-      const BlockQ4_0& w = static_cast<const BlockQ4_0*>(row)[b];
-      qu = nibbles_32(w.qs);
-      dw = _cvtsh_ss(w.d);
-    } else {
-      const BlockQ5_0& w = static_cast<const BlockQ5_0*>(row)[b];
-      qu = _mm256_or_si256(nibbles_32(w.qs), _mm256_and_si256(bytes_from_bits_32(w.qh), _mm256_set1_epi8(0x10)));
-      dw = _cvtsh_ss(w.d);
-    }
+    const __m256i qu = unsigned_block_q45_0<QT>(row, b, dw);
     for (int t = 0; t < NT; ++t) {
       const ActQ8& at = a[t * stride + b];
       const float s = dw * at.d;
@@ -536,17 +541,8 @@ HS_AVX512 static inline float dot_q45_0_vnni(const void* row, const ActQ8* a, in
   __m256 acc = _mm256_setzero_ps();
   float corr = 0.f;
   for (int64_t b = 0; b < nb; ++b) {
-    __m256i qu;
     float dw;
-    if constexpr (QT == Q4_0) {
-      const BlockQ4_0& w = static_cast<const BlockQ4_0*>(row)[b];
-      qu = nibbles_32(w.qs);
-      dw = _cvtsh_ss(w.d);
-    } else {
-      const BlockQ5_0& w = static_cast<const BlockQ5_0*>(row)[b];
-      qu = _mm256_or_si256(nibbles_32(w.qs), _mm256_and_si256(bytes_from_bits_32(w.qh), _mm256_set1_epi8(0x10)));
-      dw = _cvtsh_ss(w.d);
-    }
+    const __m256i qu = unsigned_block_q45_0<QT>(row, b, dw);
     const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a[b].qs[0]));
     const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a[b].qs[1]));
     const __m256i i = _mm256_add_epi32(_mm256_slli_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), qu, x0), 7),
