@@ -223,28 +223,28 @@ class HybridFFN:
         return xh, mh, self._event
 
     def _hot(self, x: torch.Tensor, mh: torch.Tensor | None) -> torch.Tensor:
+        down = self.down_t_hot
         if x.is_cuda and x.shape[0] > kernels.CUDA_MAX_GEMV_TOKENS:
-            return self._hot_batch(x, mh)
+            # prefill on the GPU: the resident hot rows as dense matmuls (cuBLAS, block formats
+            # dequantized a slice at a time), the per-token mask applied to the activations
+            return self._masked_ffn(self.up_hot, self.gate_hot, self.up_bias_hot, mh,
+                                    lambda q: kernels.matmul(x, q.data, q.qtype),
+                                    lambda h: kernels.matmul_t(h, down.data, down.qtype))
         union = None if mh is None else (mh[0] if mh.shape[0] == 1 else mh.any(0))
-        u = kernels.sparse_rowdot(self.up_hot.data, self.up_hot.qtype, x, None, union, check=False)
-        if self.up_bias_hot is not None:
-            u = u + self.up_bias_hot
-        h = self._act(u, None if self.gate_hot is None else
-                      kernels.sparse_rowdot(self.gate_hot.data, self.gate_hot.qtype, x, None, union, check=False))
-        if mh is not None:
-            h = h * mh
-        return kernels.sparse_axpy(self.down_t_hot.data, self.down_t_hot.qtype, h.contiguous(), None, check=False)
+        return self._masked_ffn(self.up_hot, self.gate_hot, self.up_bias_hot, mh,
+                                lambda q: kernels.sparse_rowdot(q.data, q.qtype, x, None, union, check=False),
+                                lambda h: kernels.sparse_axpy(down.data, down.qtype, h, None, check=False))
 
-    def _hot_batch(self, x: torch.Tensor, mh: torch.Tensor | None) -> torch.Tensor:
-        """Prefill on the GPU: the resident hot rows as dense matmuls (cuBLAS, block formats
-        dequantized a slice at a time), the per-token mask applied to the activations."""
-        u = kernels.matmul(x, self.up_hot.data, self.up_hot.qtype)
-        if self.up_bias_hot is not None:
-            u = u + self.up_bias_hot
-        h = self._act(u, None if self.gate_hot is None else kernels.matmul(x, self.gate_hot.data, self.gate_hot.qtype))
-        if mh is not None:
-            h = h * mh
-        return kernels.matmul_t(h, self.down_t_hot.data, self.down_t_hot.qtype)
+    def _masked_ffn(self, up: QWeight, gate: QWeight | None, up_bias, mask, rows_dot, down) -> torch.Tensor:
+        """down(act(gate . x) * (up . x) * mask) over some rows: `rows_dot(w)` gives w's rows against x,
+        `down(h)` the down projection of those rows."""
+        u = rows_dot(up)
+        if up_bias is not None:
+            u = u + up_bias
+        h = self._act(u, None if gate is None else rows_dot(gate))
+        if mask is not None:
+            h = h * mask
+        return down(h.contiguous())
 
     def _act(self, u: torch.Tensor, g: torch.Tensor | None) -> torch.Tensor:
         spec = self.spec
@@ -279,12 +279,10 @@ class HybridFFN:
                                       gate.qtype if gate is not None else w.up.qtype, self.down_t.data,
                                       self.down_t.qtype, idx, w.up_bias, spec.activation, spec.act_on_up)
             return y
-        u = kernels.sparse_rowdot(w.up.data, w.up.qtype, x, idx, check=False)
-        if w.up_bias is not None:
-            u = u + w.up_bias[idx.long()]
-        h = self._act(u, None if gate is None else kernels.sparse_rowdot(gate.data, gate.qtype, x, idx, check=False))
-        h = h * tok
-        return kernels.sparse_axpy(self.down_t.data, self.down_t.qtype, h.contiguous(), idx, check=False)
+        down = self.down_t
+        return self._masked_ffn(w.up, gate, None if w.up_bias is None else w.up_bias[idx.long()], tok,
+                                lambda q: kernels.sparse_rowdot(q.data, q.qtype, x, idx, check=False),
+                                lambda h: kernels.sparse_axpy(down.data, down.qtype, h, idx, check=False))
 
 
 # --- the transposed down projection -------------------------------------------------------------
