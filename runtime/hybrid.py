@@ -606,8 +606,8 @@ def _index(model_path: Path, profile_dir: Path, budget: int, opts: HybridOptions
         save_profile(profile_dir, [torch.zeros(n, dtype=torch.float64) for n in n_ff], 1, {"criterion": "none"})
     out = io.StringIO()
     index, solved = solver_cli.ensure_index(model_path, profile_dir, budget, opts.n_ctx, reset=opts.reset_gpu_index,
-                                            hw=opts.hardware() if callable(opts.hardware) else opts.hardware,
-                                            index_path=index_path, out=out, tag="hs-run")
+                                            hw=opts.hardware, index_path=index_path, out=out, plan_out=out,
+                                            tag="hs-run")
     for line in out.getvalue().splitlines():
         log_line(line)
     return index, solved

@@ -146,10 +146,17 @@ def print_plan(plan, problem: Problem, out=None) -> None:
           file=out)
 
 
+# Figures a solve uses unless told or --measure: GPU and CPU read GiB/s, PCIe GiB/s, one hand-over in us.
+DEFAULT_GPU_GIB_S, DEFAULT_CPU_GIB_S, DEFAULT_PCIE_GIB_S, DEFAULT_SYNC_US = 800.0, 50.0, 25.0, 20.0
+
+
 def ensure_index(model: Path, profile_dir: Path, budget: int, n_ctx: int = 4096, group: int = 64,
-                 reset: bool = False, hw: Hardware | None = None, time_limit: float = 30.0, greedy: bool = False,
-                 index_path: Path | None = None, json_out: str | None = None, out=None, tag: str = "hs-solve"):
+                 reset: bool = False, hw=None, time_limit: float = 30.0, greedy: bool = False,
+                 index_path: Path | None = None, json_out: str | None = None, out=None, plan_out=None,
+                 tag: str = "hs-solve"):
     """The GPU index for (model, profile, budget): the cached one if it matches, else solved and written.
+    `hw`: a Hardware, or a function giving one (called only when a solve is needed: measuring takes
+    seconds); None: the default figures. Messages go to `out` (stderr), the plan to `plan_out` (stdout).
     Returns (GpuIndex, solved: bool)."""
     out = out or sys.stderr
     index_path = index_path or default_index_path(model)
@@ -164,10 +171,12 @@ def ensure_index(model: Path, profile_dir: Path, budget: int, n_ctx: int = 4096,
                   "(--reset-gpu-index solves again)", file=out)
             return index, False
         print(f"{tag}: {index_path} is stale ({reason}); solving again", file=out)
-    hw = hw or Hardware(800.0 * GiB, 50.0 * GiB, 20e-6)
+    hw = hw() if callable(hw) else hw
+    hw = hw or Hardware(DEFAULT_GPU_GIB_S * GiB, DEFAULT_CPU_GIB_S * GiB, DEFAULT_SYNC_US * 1e-6,
+                        DEFAULT_PCIE_GIB_S * GiB)
     problem = model_problem(model, profile_dir, profile, budget, hw, n_ctx, group)
     plan = solve(problem, time_limit, "greedy" if greedy else "ilp")
-    print_plan(plan, problem, out=out if tag != "hs-solve" else None)
+    print_plan(plan, problem, out=plan_out)
     meta = {**expect, "attn_gpu": plan.attn_gpu, "head_gpu": plan.head_gpu, "method": plan.method,
             "predicted_tokens_per_s": plan.report["tokens_per_s"], "gpu_bandwidth": hw.gpu_bw,
             "cpu_bandwidth": hw.cpu_bw, "sync_s": hw.sync_s, "model": str(model)}
@@ -185,10 +194,9 @@ def _main(args) -> int:
         raise InputError(f"{model}: no such model file")
     profile_dir = Path(args.profile) if args.profile else model.with_name(model.stem + ".hs-profile")
     budget_gib = args.vram_budget if args.vram_budget is not None else default_budget_gib()
-    load_profile(profile_dir)  # a missing profile is the first thing to say
-    hw = measure_hardware(args)
-    ensure_index(model, profile_dir, int(budget_gib * GiB), args.ctx_size, args.group, args.reset_gpu_index, hw,
-                 args.time_limit, args.greedy, Path(args.index) if args.index else None, args.json)
+    ensure_index(model, profile_dir, int(budget_gib * GiB), args.ctx_size, args.group, args.reset_gpu_index,
+                 lambda: measure_hardware(args), args.time_limit, args.greedy,
+                 Path(args.index) if args.index else None, args.json)
     return 0
 
 
@@ -203,10 +211,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--group", type=int, default=64, help="neurons per placement unit (default: %(default)s)")
     ap.add_argument("--measure", action="store_true", help="measure CPU/GPU read bandwidth and the CPU<->GPU "
                     "hand-over here instead of the given figures")
-    ap.add_argument("--gpu-bandwidth", type=float, default=800.0, help="GPU read GiB/s (default: %(default)s)")
-    ap.add_argument("--cpu-bandwidth", type=float, default=50.0, help="CPU read GiB/s (default: %(default)s)")
-    ap.add_argument("--pcie-bandwidth", type=float, default=25.0, help="PCIe GiB/s (default: %(default)s)")
-    ap.add_argument("--sync-us", type=float, default=20.0, help="one CPU<->GPU hand-over, microseconds "
+    ap.add_argument("--gpu-bandwidth", type=float, default=DEFAULT_GPU_GIB_S, help="GPU read GiB/s (default: %(default)s)")
+    ap.add_argument("--cpu-bandwidth", type=float, default=DEFAULT_CPU_GIB_S, help="CPU read GiB/s (default: %(default)s)")
+    ap.add_argument("--pcie-bandwidth", type=float, default=DEFAULT_PCIE_GIB_S, help="PCIe GiB/s (default: %(default)s)")
+    ap.add_argument("--sync-us", type=float, default=DEFAULT_SYNC_US, help="one CPU<->GPU hand-over, microseconds "
                     "(default: %(default)s)")
     ap.add_argument("--pcie-budget", type=float, help="MiB per token allowed over PCIe (default: no limit)")
     ap.add_argument("--time-limit", type=float, default=30.0, help="CBC time limit, s; the best plan found by "
