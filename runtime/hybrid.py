@@ -309,7 +309,7 @@ def transposed_down(gguf, n_layers: int, progress=None) -> list[QWeight]:
     from .gguf_file import GGUFFile
 
     path = down_t_cache_path(Path(gguf.path))
-    fp = model_fingerprint(gguf.path)
+    fp = model_fingerprint(gguf)
     if path.exists():
         try:
             cache = GGUFFile(path)

@@ -39,7 +39,7 @@ def open_model(path: str | Path | None, n_gpu_layers: int = -1, device: str | No
                hybrid=None, log_line=None) -> LoadedModel:
     """n_gpu_layers: llama.cpp's -ngl (negative: everything on the GPU when CUDA is present).
     hybrid: `hybrid.HybridOptions` to run the FFNs split by neuron (the GPU index) instead."""
-    gguf = GGUFFile(path if path is not None else default_model_path())
+    gguf = GGUFFile(resolve_model_path(path))
     gguf.populate()
     model = load_model(gguf)
     tokenizer = Tokenizer(gguf)

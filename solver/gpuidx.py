@@ -23,16 +23,18 @@ from hybridsparse.runtime.errors import GGUFError, InputError
 ARCH = "generic.gpu_index"
 
 
-def model_fingerprint(model_path: str | Path) -> str:
-    """The header (metadata + tensor table) and size of the model file: changes when the model does."""
+def model_fingerprint(model) -> str:
+    """The header (metadata + tensor table) and size of the model file: changes when the model does.
+    `model`: a path, or a GGUFFile already open (its header is not parsed again)."""
     from hybridsparse.runtime.gguf_file import GGUFFile
-    g = GGUFFile(model_path)
+    g = model if isinstance(model, GGUFFile) else GGUFFile(model)
     try:
         h = hashlib.sha256(bytes(g._mm[:g.data_offset]))
         h.update(str(g.file_size).encode())
         return h.hexdigest()[:16]
     finally:
-        g.close()
+        if g is not model:
+            g.close()
 
 
 def default_index_path(model_path: str | Path) -> Path:
