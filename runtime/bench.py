@@ -159,6 +159,13 @@ def measure(runners: list, reps: int) -> list[dict]:
     return out
 
 
+def write_json(path: str | None, result: dict) -> None:
+    """A benchmark's result as JSON at `path` (its folder made), when a path is given."""
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(result, indent=2))
+
+
 def _run(args) -> int:
     from .loader import default_model_path
     model = Path(args.model) if args.model else default_model_path()
@@ -196,10 +203,7 @@ def _run(args) -> int:
         pairs = zip(hs["runs"], result["results"][idx]["runs"])
         result["decode_ratio_vs_llama_cpp"] = statistics.median(a["decode_tok_s"] / b["decode_tok_s"] for a, b in pairs)
         result["prefill_ratio_vs_llama_cpp"] = hs["prefill_tok_s"] / ref["prefill_tok_s"]
-    text = json.dumps(result, indent=2)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(text)
+    write_json(args.json, result)
     print(f"{'engine':32s} {'prefill tok/s':>14s} {'decode tok/s':>13s}  (medians of {args.reps} alternating runs)")
     for r in result["results"]:
         label = r["engine"] + ("" if r.get("cuda_graphs", True) else " (no graphs)")
@@ -407,18 +411,13 @@ def _hybrid(args) -> int:
             run["within_budget"] = run["peak_device_bytes"] <= cfg["vram_budget"] * 2**30
         result["runs"].append(run)
         print(_hybrid_row(run), file=sys.stderr)
-        if args.json:  # after each run: a long session cut short still leaves its results
-            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.json).write_text(json.dumps(result, indent=2))
+        write_json(args.json, result)  # after each run: a session cut short still leaves its results
     for run in result["runs"]:  # ratios side by side at each budget
         same = [r for r in result["runs"] if r["vram_budget"] == run["vram_budget"] and r is not run
                 and r["engine"] == "layer split" and "decode_tok_s" in r]
         if run["engine"] == "hybrid" and same and "decode_tok_s" in run:
             run["speedup_vs_layer_split"] = run["decode_tok_s"] / same[0]["decode_tok_s"]
-    text = json.dumps(result, indent=2)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(text)
+    write_json(args.json, result)
     print(hybrid_table(result))
     return 0
 
@@ -695,9 +694,7 @@ def _kernels(args) -> int:
     result = {"machine": {**machine(), "device": args.device, "read_bandwidth_gib_s": round(bw, 1)},
               "threads": args.threads, "results": rows_out}
     print(f"read bandwidth {bw:.1f} GiB/s ({args.device}" + (f", {args.threads} threads)" if not cuda else ")"))
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=2))
+    write_json(args.json, result)
     return 0
 
 
