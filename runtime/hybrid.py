@@ -30,7 +30,7 @@ from gguf import GGMLQuantizationType as Q
 
 from . import kernels
 from .errors import InputError, ModelError
-from .layers import ACTIVATIONS, FFNSpec, FFNWeights, gated_act_reference
+from .layers import ACTIVATIONS, FFNSpec, FFNWeights, gated_act
 from .quants import FLOAT_TYPES, dequantize
 from .weights import QWeight, linear, linear_many
 
@@ -247,14 +247,7 @@ class HybridFFN:
         return down(h.contiguous())
 
     def _act(self, u: torch.Tensor, g: torch.Tensor | None) -> torch.Tensor:
-        spec = self.spec
-        if g is None:
-            return ACTIVATIONS[spec.activation](u)
-        if kernels.use_cpu_op(g):
-            return kernels.cpu.gated_act(g, u, kernels.ACTIVATION_IDS[spec.activation], spec.act_on_up)
-        if kernels.use_cuda_op(g, u) and g.dim() == 2:
-            return kernels.ops().gated_act(g, u, kernels.ACTIVATION_IDS[spec.activation], spec.act_on_up)
-        return gated_act_reference(g, u, spec)
+        return ACTIVATIONS[self.spec.activation](u) if g is None else gated_act(g, u, self.spec)
 
     def _cold(self, x: torch.Tensor, cold_mask: torch.Tensor | None, event=None) -> torch.Tensor | None:
         if event is not None:

@@ -67,6 +67,15 @@ def gated_act_reference(gate: torch.Tensor, up: torch.Tensor, spec: FFNSpec) -> 
     return act(gate) * (act(up) if spec.act_on_up else up)
 
 
+def gated_act(gate: torch.Tensor, up: torch.Tensor, spec: FFNSpec) -> torch.Tensor:
+    """act(gate) * up (or * act(up)): the compiled op of the tensors' device where there is one."""
+    if kernels.use_cpu_op(gate):
+        return kernels.cpu.gated_act(gate, up, kernels.ACTIVATION_IDS[spec.activation], spec.act_on_up)
+    if kernels.use_cuda_op(gate, up) and gate.dim() == 2 and gate.stride(1) == 1 and up.stride(1) == 1:
+        return kernels.ops().gated_act(gate, up, kernels.ACTIVATION_IDS[spec.activation], spec.act_on_up)
+    return gated_act_reference(gate, up, spec)
+
+
 # Set by the profiler: called as probe(weights, x, score, h) for every FFN evaluation, where `score`
 # is what the activity criterion looks at (act(gate), or act(up) without a gate) and h the values
 # the down projection weighs.
@@ -85,12 +94,8 @@ def ffn(x: torch.Tensor, w: FFNWeights, spec: FFNSpec) -> torch.Tensor:
             act = ACTIVATIONS[spec.activation]
             score = act(gate)
             h = score * (act(up) if spec.act_on_up else up)
-        elif kernels.use_cpu_op(gate):
-            h = kernels.cpu.gated_act(gate, up, kernels.ACTIVATION_IDS[spec.activation], spec.act_on_up)
-        elif kernels.use_cuda_op(gate, up) and gate.dim() == 2 and gate.stride(1) == 1 and up.stride(1) == 1:
-            h = kernels.ops().gated_act(gate, up, kernels.ACTIVATION_IDS[spec.activation], spec.act_on_up)
         else:
-            h = gated_act_reference(gate, up, spec)
+            h = gated_act(gate, up, spec)
     else:
         h = score = ACTIVATIONS[spec.activation](linear(x, w.up, w.up_bias))
     if probe is not None:
