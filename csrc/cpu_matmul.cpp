@@ -324,24 +324,32 @@ at::Tensor sparse_axpy_cpu(const at::Tensor& w, int64_t qtype, const at::Tensor&
   const int n_threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), M));
   std::vector<float> partial(static_cast<size_t>(n_threads) * T * K, 0.f);
   using AxpyRow = void (*)(float, const void*, float*, int64_t);
+  using AxpyGroup = void (*)(const float*, const void* const*, float*, int64_t);
   AxpyRow direct = nullptr;  // y += s * row straight from the stored format (AVX2), else via a row buffer
+  AxpyGroup group = nullptr;  // y += sum of AXPY_GROUP rows, one pass over y
 #ifdef HS_X86
   if (cpu_has_avx2()) {
     switch (qtype) {
-      case F16: direct = axpy_f16_avx2; break;
+      case F16: direct = axpy_f16_avx2; group = cpu_has_avx512() ? axpy_group_f16_avx512 : axpy_group_f16_avx2; break;
       case BF16: direct = axpy_bf16_avx2; break;
-      case Q8_0: direct = axpy_q8_0_avx2; break;
-      case Q4_0: direct = axpy_q4_0_avx2; break;
-      case Q5_0: direct = axpy_q5_0_avx2; break;
+      case Q8_0: direct = axpy_q8_0_avx2; group = axpy_group_q8_0_avx2; break;
+      case Q4_0: direct = axpy_q4_0_avx2; group = axpy_group_q4_0_avx2; break;
+      case Q5_0: direct = axpy_q5_0_avx2; group = axpy_group_q5_0_avx2; break;
     }
   }
+#else
+  constexpr int AXPY_GROUP = 4;
 #endif
   const int pf = prefetch_mode();
   at::parallel_for(0, n_threads, 1, [&](int64_t tb, int64_t te) {
     std::vector<float> row(direct ? 0 : K);
+    const void* rows[AXPY_GROUP];
+    int64_t ks[AXPY_GROUP];
+    float sc[AXPY_GROUP];
     for (int64_t tid = tb; tid < te; ++tid) {
       float* acc = partial.data() + tid * T * K;
       const int64_t r0 = M * tid / n_threads, r1 = M * (tid + 1) / n_threads;
+      int n_group = 0;
       for (int64_t k = r0; k < r1; ++k) {
         bool any = false;
         for (int64_t t = 0; t < T && !any; ++t) any = hp[t * M + k] != 0.f;
@@ -349,6 +357,17 @@ at::Tensor sparse_axpy_cpu(const at::Tensor& w, int64_t qtype, const at::Tensor&
         const uint8_t* src = wp + (ip ? ip[k] : k) * row_bytes;
         if (pf && k + 1 < r1) {  // HS_PREFETCH as in the row-dot (non-temporal was 6x slower on a Xeon)
           prefetch_bytes(reinterpret_cast<const char*>(wp + (ip ? ip[k + 1] : k + 1) * row_bytes), row_bytes, pf);
+        }
+        if (group) {  // collect AXPY_GROUP active rows, then one pass over y per token
+          rows[n_group] = src;
+          ks[n_group++] = k;
+          if (n_group < AXPY_GROUP) continue;
+          for (int64_t t = 0; t < T; ++t) {
+            for (int j = 0; j < AXPY_GROUP; ++j) sc[j] = hp[t * M + ks[j]];
+            group(sc, rows, acc + t * K, K);
+          }
+          n_group = 0;
+          continue;
         }
         if (!direct) dequant_row(src, qtype, K, row.data());
         for (int64_t t = 0; t < T; ++t) {
@@ -358,6 +377,11 @@ at::Tensor sparse_axpy_cpu(const at::Tensor& w, int64_t qtype, const at::Tensor&
           else axpy_f32(s, row.data(), acc + t * K, K);
         }
       }
+      for (int j = 0; j < n_group; ++j)  // the group's remainder, a row at a time
+        for (int64_t t = 0; t < T; ++t) {
+          const float s = hp[t * M + ks[j]];
+          if (s != 0.f) direct(s, rows[j], acc + t * K, K);
+        }
     }
   });
   float* yp = y.data_ptr<float>();

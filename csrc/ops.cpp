@@ -27,6 +27,14 @@ at::Tensor attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Ten
                          double scale);
 at::Tensor gated_act_cpu(const at::Tensor& gate, const at::Tensor& up, int64_t act, bool act_on_up);
 at::Tensor rms_norm_cpu(const at::Tensor& x, const at::Tensor& w, double eps);
+int64_t cold_ffn_new(const at::Tensor& x, const at::Tensor& mask, const at::Tensor& ids, const at::Tensor& y,
+                     const at::Tensor& up, int64_t up_type, const c10::optional<at::Tensor>& gate, int64_t gate_type,
+                     const at::Tensor& down_t, int64_t down_type, const c10::optional<at::Tensor>& up_bias,
+                     int64_t act, bool act_on_up);
+void cold_ffn_run(int64_t handle);
+void cold_ffn_enqueue(int64_t handle);
+void cold_ffn_free(int64_t handle);
+std::string cold_ffn_error();
 }  // namespace hs
 
 TORCH_LIBRARY(hybridsparse, m) {
@@ -77,4 +85,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_", &hs::rope_cpu);
   m.def("attention", &hs::attention_cpu);
   m.def("gated_act", &hs::gated_act_cpu);
+  m.def("cold_ffn_new", &hs::cold_ffn_new, "a layer's cold FFN task over pinned x / mask / y buffers (csrc/cold_ffn.cpp)");
+  m.def("cold_ffn_run", &hs::cold_ffn_run, "run the task on this thread");
+  m.def("cold_ffn_enqueue", &hs::cold_ffn_enqueue, "run the task as a host node of the current CUDA stream");
+  m.def("cold_ffn_free", &hs::cold_ffn_free);
+  m.def("cold_ffn_error", &hs::cold_ffn_error, "the first error a task met since the last call, cleared");
 }

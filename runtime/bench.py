@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from .cli import add_model_args, default_threads, run_main
+from .errors import InputError
 
 SHAPES = {  # name: (d_model, n_ff, n_layers, n_heads, n_kv_heads, n_vocab)
     "llama-7b": (4096, 11008, 32, 32, 32, 32000),
@@ -340,35 +341,33 @@ def _ngl_for_budget(model: Path, budget: int, n_ctx: int) -> int:
 
 
 class _GpuMemoryPoller:
-    """Peak device memory in use, read from the driver (nvidia-smi) every 20 ms while a child runs."""
+    """Peak device memory in use, read from the driver (NVML) every 5 ms while a child runs."""
 
     def __init__(self, index: int = 0):
-        import shutil
         import threading
-        self.cmd = shutil.which("nvidia-smi")
+        from .nvml import device_used_bytes
         self.index, self.peak, self.stop = index, 0, threading.Event()
+        self.ok = device_used_bytes(index) is not None
         self.thread = threading.Thread(target=self._loop, daemon=True)
 
     def read(self) -> int:
-        import subprocess
-        out = subprocess.run([self.cmd, "-i", str(self.index), "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True).stdout.strip()
-        return int(out) << 20 if out.isdigit() else 0
+        from .nvml import device_used_bytes
+        return device_used_bytes(self.index) or 0
 
     def _loop(self):
         while not self.stop.is_set():
             self.peak = max(self.peak, self.read())
-            self.stop.wait(0.02)
+            self.stop.wait(0.005)
 
     def __enter__(self):
-        if self.cmd:
+        if self.ok:
             self.base = self.read()
             self.thread.start()
         return self
 
     def __exit__(self, *exc):
         self.stop.set()
-        if self.cmd:
+        if self.ok:
             self.thread.join()
 
 
@@ -378,8 +377,11 @@ def _hybrid(args) -> int:
     import subprocess
     from .loader import default_model_path
     model = Path(args.model) if args.model else default_model_path()
+    if args.ctx_size < 8 + args.n_predict:
+        raise InputError(f"--ctx-size {args.ctx_size} is too small for an 8-token prompt and -n {args.n_predict}")
     gpu = torch.cuda.is_available()
     result = {"machine": machine(), "model": str(model), "generated_tokens": args.n_predict, "mode": args.mode,
+              "ctx_size": args.ctx_size,
               "runs": []}
     m = result["machine"]
     m["cpu_read_bandwidth_gib_s"] = round(measure_bandwidth_gib_s("cpu"), 1)
@@ -406,7 +408,7 @@ def _hybrid(args) -> int:
             run = {**cfg, "error": err}
         else:
             run = {**cfg, **json.loads(line)}
-        if poll.cmd and cfg["vram_budget"] > 0:
+        if poll.ok and cfg["vram_budget"] > 0:
             run["peak_device_bytes"] = poll.peak - poll.base
             run["within_budget"] = run["peak_device_bytes"] <= cfg["vram_budget"] * 2**30
         result["runs"].append(run)
@@ -466,7 +468,7 @@ def _hybrid_one(cfg: dict) -> dict:
         lm = open_model(cfg["model"], cfg["ngl"])
     load_s = time.perf_counter() - t0
     prompt = lm.tokenizer.encode("Once upon a time")[:8]
-    gen = Generator(lm.model, lm.tokenizer, 64 + cfg["n_predict"])
+    gen = Generator(lm.model, lm.tokenizer, cfg["ctx_size"])  # the KV cache the placement planned for
     sampler = Sampler(SamplingParams(temperature=0))
     for _ in gen.generate(prompt, 4, sampler):  # warm-up (allocator, graphs)
         pass
@@ -730,7 +732,9 @@ def build_parser() -> argparse.ArgumentParser:
     hyb.add_argument("-t", "--threads", type=int, default=default_threads())
     hyb.add_argument("--budgets", default="4,8,11,24", help="VRAM budgets, GiB (default: %(default)s)")
     hyb.add_argument("-n", "--n-predict", type=int, default=32)
-    hyb.add_argument("-c", "--ctx-size", type=int, default=4096, help="context the placement plans for")
+    hyb.add_argument("-c", "--ctx-size", type=int, default=512,
+                     help="context both engines plan and allocate the KV cache for (llama-bench's habit: "
+                          "the prompt and the generated tokens, rounded up)")
     hyb.add_argument("--mode", choices=["predictor", "sampled", "dense"], default="predictor",
                      help="sampled: active sets drawn from the profile (synthetic models)")
     hyb.add_argument("--no-ngl", action="store_true", help="skip the layer-split runs")

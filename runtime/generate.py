@@ -1,7 +1,8 @@
 """One sequence's generation: batched prefill, decode with the KV cache, stop rules, timings.
 
-On CUDA, when the whole model is on the GPU, each decode step replays a captured CUDA graph (one
-per power-of-two range of context length), so a step costs one launch instead of hundreds.
+On CUDA, when every layer is on the GPU (hybrid layers included: their CPU part is a host node of
+the stream), each decode step replays a captured CUDA graph (one per power-of-two range of context
+length), so a step costs one launch instead of hundreds.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import kernels
 from .errors import InputError
 from .models.base import CausalLM
 from .sampling import Sampler
@@ -40,12 +42,17 @@ class Timings:
 
 
 class _DecodeGraphs:
-    """Captured decode steps, one per context-length bucket; inputs are static tensors."""
+    """Captured decode steps, one per context-length bucket; inputs are static tensors. The layers
+    are all on the GPU (hybrid layers' cold parts run as host nodes inside the graph); an embedding
+    table or output head kept on the CPU runs outside the graph."""
 
     def __init__(self, model: CausalLM, cache, n_ctx: int, device):
         self.model, self.cache, self.n_ctx = model, cache, n_ctx
+        p = model.placement
+        self.embed_inside, self.head_inside = p.embed.type == "cuda", p.head.type == "cuda"
         self.token = torch.zeros(1, dtype=torch.long, device=device)
         self.pos = torch.zeros(1, dtype=torch.long, device=device)
+        self.x = torch.zeros(1, model.config.d_model, device=device)  # the embedded token, when embedded outside
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle()
 
@@ -55,23 +62,32 @@ class _DecodeGraphs:
             b *= 2
         return min(b, self.n_ctx)
 
+    def _step(self, kv_len: int) -> torch.Tensor:
+        m = self.model
+        x = m.embed(self.token, self.pos) if self.embed_inside else self.x
+        x = m.run_layers(x, self.pos, self.cache, kv_len)
+        return m.finish(x) if self.head_inside else x
+
     def run(self, token: int, pos: int) -> torch.Tensor:
         self.token.fill_(token)
         self.pos.fill_(pos)
+        if not self.embed_inside:
+            p = self.model.placement
+            self.x.copy_(self.model.embed(torch.tensor([token], device=p.embed), torch.tensor([pos], device=p.embed)))
         b = self.bucket(pos + 1)
         if b not in self.graphs:
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):  # warm up outside the graph (allocator, cuBLAS handles)
-                self.model.forward(self.token, self.pos, self.cache, b)
+                self._step(b)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                out = self.model.forward(self.token, self.pos, self.cache, b)
+                out = self._step(b)
             self.graphs[b] = (graph, out)
         graph, out = self.graphs[b]
         graph.replay()
-        return out
+        return out if self.head_inside else self.model.finish(out)
 
 
 @dataclass
@@ -87,10 +103,9 @@ class Generator:
         self.cache = self.model.new_cache(self.n_ctx)
         self.n_past = 0
         p = self.model.placement
-        all_gpu = p.head.type == "cuda" and p.embed.type == "cuda" and all(d.type == "cuda" for d in p.layers) \
-            and self.model.capturable()
-        self._graphs = _DecodeGraphs(self.model, self.cache, self.n_ctx, p.head) \
-            if (self.use_graphs and all_gpu) else None
+        layers_gpu = len(set(p.layers)) == 1 and p.layers[0].type == "cuda" and self.model.capturable()
+        self._graphs = _DecodeGraphs(self.model, self.cache, self.n_ctx, p.layers[0]) \
+            if (self.use_graphs and layers_gpu) else None
 
     def reset(self) -> None:
         self.n_past = 0
@@ -101,6 +116,7 @@ class Generator:
         if self.n_past + len(ids) > self.n_ctx:
             raise InputError(f"prompt of {len(ids)} tokens after {self.n_past} does not fit the context "
                              f"of {self.n_ctx} tokens (raise -c)")
+        kernels.raise_host_errors()  # a hybrid layer's CPU part in an earlier step
         if len(ids) == 1 and self._graphs is not None and not all_logits:
             out = self._graphs.run(ids[0], self.n_past)[0]
             self.n_past += 1

@@ -80,6 +80,16 @@ def _pinned(shape, dtype) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, pin_memory=torch.cuda.is_available())
 
 
+_SIDE_STREAMS: dict[torch.device, "torch.cuda.Stream"] = {}
+
+
+def _side_stream(dev: torch.device):
+    """The stream the cold FFN's copies and host nodes go on (one per GPU, shared by the layers)."""
+    if dev not in _SIDE_STREAMS:
+        _SIDE_STREAMS[dev] = torch.cuda.Stream(dev)
+    return _SIDE_STREAMS[dev]
+
+
 class HybridFFN:
     """One layer's FFN split by neuron between `fast` (hot rows, gathered once) and the CPU (cold rows,
     read in place). Called by `layers.ffn` in place of the dense FFN."""
@@ -113,6 +123,7 @@ class HybridFFN:
         self._hot_on: dict[torch.device, torch.Tensor] = {}
         self._pinned: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self._event = None
+        self._task = None  # the cold FFN as a host node task (decode on CUDA), made on first use
         if self.n_hot:
             idx = torch.from_numpy(hot)
             gather = (lambda q: None if q is None else QWeight(q.data[idx], q.qtype, q.in_features).to(self.fast))
@@ -125,8 +136,9 @@ class HybridFFN:
 
     @property
     def capturable(self) -> bool:
-        """No host work in a step: nothing cold to compute and no dense pass for an oracle."""
-        return self.n_cold == 0 and self.mode != "oracle"
+        """A decode step can be a CUDA graph: the cold part (if any) runs as a host node, and there
+        is no dense pass for an oracle."""
+        return self.mode != "oracle" and (self.n_cold == 0 or kernels.host_nodes_available())
 
     @property
     def gpu_bytes(self) -> int:
@@ -170,6 +182,8 @@ class HybridFFN:
         dev = x.device
         with _timed("predictor"):
             mask = self.active(x)
+        if self.n_cold and x.is_cuda and x.shape[0] == 1 and kernels.host_nodes_available():
+            return self._decode_host_node(x, mask)
         cold_in = None
         if self.n_cold:
             with _timed("send to CPU"):
@@ -199,6 +213,56 @@ class HybridFFN:
         if self.full.down_bias is not None:
             y = y + self.full.down_bias.to(dev)
         return y
+
+    def _decode_host_node(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """One token on CUDA with no host wait: on a side stream, x and the cold mask go to pinned
+        buffers, a host node runs the cold FFN on the CPU (csrc/cold_ffn.cpp), its output comes back;
+        the hot rows run on the main stream meanwhile. Capturable in a CUDA graph."""
+        dev = x.device
+        t = self._host_task(dev)
+        src = None
+        if mask is not None:
+            src = mask if not self.n_hot else torch.index_select(mask, 1, self._ids(self._cold_on, dev), out=t["cm"])
+        main, side = torch.cuda.current_stream(dev), _side_stream(dev)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            t["xh"].copy_(x, non_blocking=True)
+            if src is not None:
+                t["mh"].copy_(src, non_blocking=True)
+            kernels.cpu.cold_ffn_enqueue(t["handle"])
+            t["yd"].copy_(t["yh"], non_blocking=True)
+        y = None
+        if self.n_hot:
+            mh = None if mask is None else torch.index_select(mask, 1, self._ids(self._hot_on, dev))
+            y = self._hot(x, mh)
+        main.wait_stream(side)
+        y = t["yd"] + (0 if y is None else y)
+        if self.full.down_bias is not None:
+            y = y + self.full.down_bias.to(dev)
+        return y
+
+    def _host_task(self, dev: torch.device) -> dict:
+        if self._task is None:
+            w, d = self.full, self.down_t.in_features
+            t = {"xh": _pinned((1, w.up.in_features), torch.float32), "yh": _pinned((1, d), torch.float32),
+                 "mh": _pinned((1, self.n_cold), torch.bool), "yd": torch.zeros(1, d, device=dev),
+                 "cm": torch.zeros(1, self.n_cold, dtype=torch.bool, device=dev)}
+            if self.mode == "dense":
+                t["mh"].fill_(True)
+            t["handle"] = kernels.cpu.cold_ffn_new(
+                t["xh"], t["mh"], self.cold_ids, t["yh"], w.up.data, int(w.up.qtype),
+                None if w.gate is None else w.gate.data, int((w.gate or w.up).qtype), self.down_t.data,
+                int(self.down_t.qtype), w.up_bias, kernels.ACTIVATION_IDS[self.spec.activation], self.spec.act_on_up)
+            self._task = t
+        return self._task
+
+    def __del__(self):
+        t = getattr(self, "_task", None)
+        try:
+            if t is not None and kernels.cpu is not None:
+                kernels.cpu.cold_ffn_free(t["handle"])
+        except (AttributeError, TypeError):  # interpreter shutdown: modules already torn down
+            pass
 
     def _ids(self, cache: dict, device: torch.device) -> torch.Tensor:
         if device not in cache:
@@ -455,39 +519,11 @@ def cuda_budget(budget_gib: float | None, device: torch.device) -> int:
 
 def _process_device_bytes(device: torch.device) -> int | None:
     """Device memory this process holds outside torch's allocator (the CUDA context, modules), from
-    NVML's per-process figure; None when NVML is not importable."""
+    the driver's per-process figure; None when the driver does not say."""
+    from .nvml import process_used_bytes
     torch.zeros(1, device=device)  # the context exists from here on
-    try:
-        import pynvml
-    except ImportError:
-        return _nvidia_smi_process_bytes(device)
-    try:
-        pynvml.nvmlInit()
-        handle = pynvml.nvmlDeviceGetHandleByIndex(device.index)
-        for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
-            if p.pid == os.getpid() and p.usedGpuMemory:
-                return int(p.usedGpuMemory) - torch.cuda.memory_reserved(device)
-    except Exception:  # noqa: BLE001 - containers often hide other pids; fall back
-        return None
-    return None
-
-
-def _nvidia_smi_process_bytes(device: torch.device) -> int | None:
-    import shutil
-    import subprocess
-    smi = shutil.which("nvidia-smi")
-    if smi is None:
-        return None
-    try:
-        out = subprocess.run([smi, "-i", str(device.index), "--query-compute-apps=pid,used_memory",
-                              "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=10).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    for line in out.splitlines():
-        parts = [p.strip() for p in line.split(",")]
-        if len(parts) == 2 and parts[0] == str(os.getpid()) and parts[1].isdigit():
-            return (int(parts[1]) << 20) - torch.cuda.memory_reserved(device)
-    return None
+    used = process_used_bytes(device.index)
+    return None if used is None else used - torch.cuda.memory_reserved(device)
 
 
 def setup_hybrid(model, model_path: Path, opts: HybridOptions, log_line=print) -> dict:

@@ -39,6 +39,10 @@ CUDA_MAX_GEMV_TOKENS = 8  # csrc/cuda_sparse.cu: cuda_max_tokens()
 # (torch's F.linear); HS_CUDA_GEMV picks, for side-by-side benchmarks.
 CUDA_GEMV = os.environ.get("HS_CUDA_GEMV", "ours")
 _DEQUANT_CHUNK_ROWS = 8192
+# Hybrid decode on CUDA: each layer's cold FFN runs as a host node of the stream (csrc/cold_ffn.cpp),
+# so a step is queued (or replayed as a CUDA graph) without the Python thread waiting per layer.
+# HS_HOST_NODES=0 uses the event-synchronised path instead, for side-by-side benchmarks.
+HOST_NODES = os.environ.get("HS_HOST_NODES", "1") != "0"
 # Prefill on the CPU: from this many tokens per call, a slice of rows dequantized to float32 and torch's
 # GEMM beat the compiled per-row dot products (the dequantization is paid once for all the tokens).
 CPU_GEMM_TOKENS = int(os.environ.get("HS_CPU_GEMM_TOKENS", "128"))
@@ -423,6 +427,19 @@ def sparse_ffn(x, up, up_type, gate, gate_type, down_t, down_type, idx, up_bias=
                                     axpy=lambda w, q, hh, i: sparse_axpy(w, q, hh, i, check=False))
     return sparse_ffn_reference(x, up, up_type, gate, gate_type, down_t, down_type, idx, up_bias, activation,
                                 act_on_up)
+
+
+def host_nodes_available() -> bool:
+    """Whether a hybrid layer's cold FFN can run as a host node of the CUDA stream."""
+    return HOST_NODES and _has_cuda_kernels()
+
+
+def raise_host_errors() -> None:
+    """Raise the first error a cold-FFN host node met (they cannot raise where they run)."""
+    if cpu is not None:
+        err = cpu.cold_ffn_error()
+        if err:
+            raise RuntimeError(f"the CPU part of a hybrid layer failed: {err}")
 
 
 def use_cpu_op(t: torch.Tensor) -> bool:

@@ -135,3 +135,53 @@ def test_bad_mask():
         kernels.sparse_rowdot(w, Q.Q8_0, torch.randn(1, 64), None, torch.ones(66, dtype=torch.bool))
     with pytest.raises(ValueError, match="bool vector of 67"):
         kernels.sparse_rowdot(w, Q.Q8_0, torch.randn(1, 64), None, torch.ones(67))
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.F16])
+@pytest.mark.parametrize("density", [0.0, 0.4, 1.0])
+def test_cold_ffn_task(qtype, density):
+    """The hybrid decode's host-node task (csrc/cold_ffn.cpp) on this thread: the active cold ids
+    compacted from the pinned mask, the fused FFN over them, y written in place (zeros: none active)."""
+    d, n_ff = 64, N_ROWS
+    up, gate, down_t = (random_rows(qtype, n_ff, d, seed=s) for s in (1, 2, 3))
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randperm(n_ff, generator=g)[:40].int()
+    x, y = torch.randn(1, d), torch.full((1, d), float("nan"))
+    mask = torch.rand(1, ids.numel(), generator=g) < density
+    task = kernels.cpu.cold_ffn_new(x, mask, ids, y, up, int(qtype), gate, int(qtype), down_t, int(qtype), None,
+                                    kernels.ACTIVATION_IDS["silu"], False)
+    try:
+        kernels.cpu.cold_ffn_run(task)
+        active = ids[mask[0]]
+        ref, _ = kernels.sparse_ffn(x, up, qtype, gate, qtype, down_t, qtype, active, None, "silu", False)
+        torch.testing.assert_close(y, ref if active.numel() else torch.zeros_like(y), rtol=1e-6, atol=1e-6)
+        x.normal_()  # the task reads its buffers each time it runs
+        kernels.cpu.cold_ffn_run(task)
+        ref, _ = kernels.sparse_ffn(x, up, qtype, gate, qtype, down_t, qtype, active, None, "silu", False)
+        torch.testing.assert_close(y, ref if active.numel() else torch.zeros_like(y), rtol=1e-6, atol=1e-6)
+        assert kernels.cpu.cold_ffn_error() == ""
+    finally:
+        kernels.cpu.cold_ffn_free(task)
+
+
+def test_cold_ffn_task_errors():
+    """Bad buffers are refused when the task is made; a failure while it runs (where it cannot raise)
+    is kept for cold_ffn_error and y is zeroed."""
+    d, n_ff = 64, N_ROWS
+    up = random_rows(Q.Q8_0, n_ff, d, seed=1)
+    ids, mask, x, y = torch.arange(4, dtype=torch.int32), torch.ones(1, 4, dtype=torch.bool), torch.randn(1, d), \
+        torch.full((1, d), 1.0)
+    with pytest.raises(RuntimeError, match=r"ids must lie in \[0, 67\)"):
+        kernels.cpu.cold_ffn_new(x, mask[:, :2], torch.tensor([0, 67], dtype=torch.int32), y, up, int(Q.Q8_0), None,
+                                 int(Q.Q8_0), up, int(Q.Q8_0), None, 1, False)
+    with pytest.raises(RuntimeError, match="one entry per id"):
+        kernels.cpu.cold_ffn_new(x, mask[:, :3], ids, y, up, int(Q.Q8_0), None, int(Q.Q8_0), up, int(Q.Q8_0),
+                                 None, 1, False)
+    task = kernels.cpu.cold_ffn_new(x, mask, ids, y, up, 99, None, 99, up, int(Q.Q8_0), None, 1, False)
+    try:
+        kernels.cpu.cold_ffn_run(task)
+        assert "99" in kernels.cpu.cold_ffn_error()
+        assert kernels.cpu.cold_ffn_error() == ""  # reported once
+        assert (y == 0).all()
+    finally:
+        kernels.cpu.cold_ffn_free(task)

@@ -190,15 +190,23 @@ class CausalLM:
         """tokens, positions: int64 [T]; returns float32 logits [T or 1, n_vocab] on the head's device."""
         p = self.placement
         x = self.embed(tokens.to(p.embed), positions.to(p.embed))
+        return self.finish(self.run_layers(x, positions, cache, kv_len), all_logits)
+
+    def run_layers(self, x: torch.Tensor, positions: torch.Tensor, cache: list[KVCache], kv_len: int) -> torch.Tensor:
+        """The transformer blocks on embedded tokens x; returns the last hidden state."""
+        p = self.placement
         steps: dict[torch.device, Step] = {}
         for i, dev in enumerate(p.layers):
             if dev not in steps:
                 steps[dev] = Step.build(positions.to(dev), kv_len, self.windows)
             x = self.block(i, x.to(dev), steps[dev], cache[i])
+        return x
+
+    def finish(self, x: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
+        """Final norm and output head on the last hidden state (of every token with all_logits)."""
         if not all_logits:
             x = x[-1:]
-        x = self.final_norm(x.to(p.head))
-        return self.logits(x)
+        return self.logits(self.final_norm(x.to(self.placement.head)))
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.output)

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # GPU-machine sessions in stages, each of which fits a 10-minute call (results land in $OUT):
 #   HS_STAGES=tests,kcuda,kcpu,small,split bash tests/gpu/device_session.sh
-#   tests: build, GPU + kernel tests; kcuda / kcpu: kernel benchmarks (CPU: 16 threads; by software
+#   tests: build, GPU + kernel tests; htests: only the hybrid runtime's; kcuda / kcpu: kernel benchmarks (CPU: 16 threads; by software
 #   prefetch mode too with HS_PREFETCH_MODES="0 1 2")
 #   small: decode of a Gemma-3-270M-shaped and a Llama-7B-shaped model all on the GPU
 #   split: the 13B layer split (-ngl 11) and CPU-only
 #   synth13: a 13B-shaped F16 model in PowerInfer layout with a power-law profile in /dev/shm
 #   hybrid: hs-bench hybrid on it: hybrid vs layer split at 4/8/11/24 GiB vs CPU only, peak memory
-#   hprof: host time per part of a hybrid step on it (HS_HYBRID_TIMING) at HS_PROFILE_BUDGET GiB
+#   hprof: a hybrid step at HS_PROFILE_BUDGET GiB as graphs / host nodes / events, host time per part
+#   (runs before hybrid)
 #   One 10-minute call fits HS_STAGES=synth13,hybrid,hprof after a build (~5 min with -n 16).
 set -uo pipefail
 OUT=${OUT:-gpu-results}
@@ -22,6 +23,9 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 ( time python3 -m hybridsparse.runtime.kernels ) 2>&1 | tail -4
 
 STAGES=",${HS_STAGES:-tests,small},"
+if [[ $STAGES == *,htests,* ]]; then  # the hybrid runtime's GPU tests and the CPU ops they stand on
+  python3 -m pytest -q tests/gpu/test_hybrid_cuda.py tests/test_sparse_ops.py 2>&1 | tee "$OUT/pytest-hybrid.txt" | tail -15
+fi
 if [[ $STAGES == *,tests,* ]]; then
   python3 -m pytest -q tests/gpu tests/test_sparse_ops.py tests/test_quants.py tests/test_architectures.py tests/test_hybrid.py 2>&1 \
     | tee "$OUT/pytest.txt" | tail -15
@@ -69,11 +73,11 @@ if [[ $STAGES == *,synth13,* ]]; then
 [ -f /dev/shm/llama-13b-f16.gguf ] || ( time hs-bench synth --shape llama-13b --dtype f16 --layout powerinfer --activity zipf -o /dev/shm ) 2>&1 | tail -4
 ls -la /dev/shm
 fi
+if [[ $STAGES == *,hprof,* ]]; then
+HS_HYBRID_TIMING=1 timeout 150 python3 tests/gpu/profile_hybrid.py /dev/shm/llama-13b-f16.gguf ${HS_PROFILE_BUDGET:-11} 2>&1 \
+  | grep -v "^hybrid:\|placing layers" | head -60 | tee "$OUT/profile_hybrid.txt"
+fi
 if [[ $STAGES == *,hybrid,* ]]; then
 hs-bench hybrid -m /dev/shm/llama-13b-f16.gguf --mode sampled -t 16 -n ${HS_N:-24} --budgets ${HS_BUDGETS:-4,8,11,24} \
   --timeout 200 ${HS_HYBRID_ARGS:-} --json "$OUT/hybrid_llama13b_f16${HS_TAG:-}.json" 2>&1 | tail -30
-fi
-if [[ $STAGES == *,hprof,* ]]; then
-HS_HYBRID_TIMING=1 timeout 120 python3 tests/gpu/profile_hybrid.py /dev/shm/llama-13b-f16.gguf ${HS_PROFILE_BUDGET:-11} 2>&1 \
-  | grep -v "^hybrid:" | head -40 | tee "$OUT/profile_hybrid.txt"
 fi

@@ -1,41 +1,66 @@
-"""Where a hybrid decode step goes (tool): load MODEL in hybrid form at a budget, decode, and print the
-host-side time per part of the hybrid FFN (HS_HYBRID_TIMING) and torch's profile of two steps.
-  HS_HYBRID_TIMING=1 python tests/gpu/profile_hybrid.py MODEL BUDGET_GIB [MODE]"""
+"""Where a hybrid decode step goes (tool): load MODEL in hybrid form at a budget and decode side by side
+  - graphs: the step as one CUDA graph, each layer's cold FFN a host node (the default),
+  - host nodes: the same queued op by op (no graph),
+  - events: the event-synchronised path (HS_HOST_NODES=0), with host time per part (HS_HYBRID_TIMING),
+and torch's profile of two eager steps.
+  HS_HYBRID_TIMING=1 python tests/gpu/profile_hybrid.py MODEL BUDGET_GIB [MODE] [N]"""
 
 import sys
 import time
 
 import torch
 
-from hybridsparse.runtime import hybrid
+from hybridsparse.runtime import hybrid, kernels
+from hybridsparse.runtime.generate import Generator
 from hybridsparse.runtime.hybrid import HybridOptions
 from hybridsparse.runtime.loader import open_model
 
 model, budget = sys.argv[1], float(sys.argv[2])
 mode = sys.argv[3] if len(sys.argv) > 3 else "sampled"
+n = int(sys.argv[4]) if len(sys.argv) > 4 else 16
 torch.set_num_threads(16)
-lm = open_model(model, hybrid=HybridOptions(vram_budget=budget, mode=mode), log_line=print)
+lm = open_model(model, hybrid=HybridOptions(vram_budget=budget, mode=mode, n_ctx=512), log_line=print)
 m = lm.model
-cache = m.new_cache(128)
 sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-with torch.inference_mode():
-    for i in range(4):
-        m.forward(torch.tensor([5]), torch.tensor([i]), cache, i + 1)
-    sync()
-    hybrid.TIMING.clear()
-    n = 8
-    t = time.perf_counter()
-    for i in range(4, 4 + n):
-        m.forward(torch.tensor([5]), torch.tensor([i]), cache, i + 1)
-    sync()
-    dt = (time.perf_counter() - t) / n
-    print(f"{dt * 1e3:.1f} ms per token ({1 / dt:.2f} tok/s); host time per token by part:")
+
+
+def decode(use_graphs: bool, host_nodes: bool) -> float:
+    kernels.HOST_NODES = host_nodes
+    gen = Generator(m, lm.tokenizer, 512, use_graphs=use_graphs)
+    with torch.inference_mode():
+        gen.eval([1, 2, 3, 4])
+        for i in range(4):  # warm-up: buffers, tasks, graph capture
+            gen.eval([5 + i])
+        sync()
+        if hybrid.TIMING is not None:
+            hybrid.TIMING.clear()
+        t = time.perf_counter()
+        for i in range(n):
+            out = gen.eval([10 + i])
+        float(out[0])
+        sync()
+        kernels.raise_host_errors()
+        return (time.perf_counter() - t) / n
+
+
+for label, graphs, nodes in (("graphs + host nodes", True, True), ("host nodes, no graph", False, True),
+                             ("events (HS_HOST_NODES=0)", False, False)):
+    dt = decode(graphs, nodes)
+    print(f"{label:26s} {dt * 1e3:7.1f} ms per token ({1 / dt:6.2f} tok/s)")
+if hybrid.TIMING:
+    print("host time per token by part (events path):")
     for k, v in sorted(hybrid.TIMING.items(), key=lambda kv: -kv[1]):
         print(f"  {k:14s} {v / n * 1e3:8.2f} ms")
-    from torch.profiler import ProfilerActivity, profile
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+kernels.HOST_NODES = True
+cache = m.new_cache(128)
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+with torch.inference_mode():
+    for i in range(3):
+        m.forward(torch.tensor([5]), torch.tensor([i]), cache, i + 1)
+    sync()
     with profile(activities=acts) as p:
-        for i in range(12, 14):
+        for i in range(3, 5):
             m.forward(torch.tensor([5]), torch.tensor([i]), cache, i + 1)
         sync()
-    print(p.key_averages().table(sort_by="self_cpu_time_total", row_limit=18))
+print(p.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))

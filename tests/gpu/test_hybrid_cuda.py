@@ -46,6 +46,56 @@ def test_oracle_hybrid_on_cuda_equals_dense_on_cuda(name, tmp_path):
         assert tokens == ref_tokens
 
 
+def _generator_run(model, ids, n=6):
+    """Prefill then greedy decode through the Generator (CUDA graphs when every layer is on the GPU):
+    the last-step logits of each decode step and the tokens."""
+    from hybridsparse.runtime import kernels
+    from hybridsparse.runtime.generate import Generator
+    gen = Generator(model, None, 64)
+    with torch.inference_mode():
+        logits = gen.eval(ids.tolist())
+        out, tokens = [], []
+        for _ in range(n):
+            tok = int(logits.argmax())
+            tokens.append(tok)
+            logits = gen.eval([tok])
+            out.append(logits.float().cpu())
+        torch.cuda.synchronize()
+        kernels.raise_host_errors()
+    return torch.stack(out), tokens, gen._graphs is not None
+
+
+@pytest.mark.parametrize("name", ["llama-swiglu", "gemma3", "opt", "falcon-40b-relu"])
+@pytest.mark.parametrize("head_fast", [True, False])
+def test_host_node_decode_in_cuda_graphs_equals_dense_on_cuda(name, head_fast, tmp_path, monkeypatch):
+    """Dense mode with a neuron split, every attention on the GPU: each layer's cold part runs as a
+    host node of the stream and the whole step is replayed as a CUDA graph (head inside or outside);
+    the logits match the all-GPU dense model's, and the event-synchronised path's."""
+    from hybridsparse.runtime import kernels
+    _, dense = build_case(name, tmp_path)
+    path = dense.gguf.path
+    dense.place(dense.config.n_layers + 1, torch.device("cuda"))
+    ids = torch.randint(0, VOCAB, (5,), generator=torch.Generator().manual_seed(4))
+    ref, ref_tokens, _ = _generator_run(dense, ids)
+    rng = np.random.default_rng(8)
+    runs = []
+    for host_nodes in (True, False):
+        monkeypatch.setattr(kernels, "HOST_NODES", host_nodes)
+        model = load_model(GGUFFile(path))
+        c = model.config
+        hot = [np.sort(rng.choice(c.n_ff, c.n_ff // 3, replace=False)) for _ in range(c.n_layers)]
+        setup_hybrid(model, path, HybridOptions(mode="dense", device="cuda", hot=hot, attn_fast=[True] * c.n_layers,
+                                                head_fast=head_fast), log_line=lambda *_: None)
+        logits, tokens, graphed = _generator_run(model, ids)
+        assert graphed == host_nodes  # without host nodes a split layer cannot be captured
+        scale = ref.abs().max().item()
+        err = (logits - ref).abs().max().item()
+        assert err <= 2e-3 * max(scale, 1.0), f"{name} host nodes {host_nodes}: {err:.3g} vs scale {scale:.3g}"
+        assert tokens == ref_tokens
+        runs.append(logits)
+    torch.testing.assert_close(runs[0], runs[1], rtol=1e-4, atol=1e-4 * max(1.0, ref.abs().max().item()))
+
+
 def hs_run(*args, timeout=300):
     return subprocess.run([sys.executable, "-m", "hybridsparse.runtime.cli", *args], capture_output=True, text=True,
                           timeout=timeout, env={**os.environ})

@@ -1,0 +1,124 @@
+// One layer's cold FFN as a task the CUDA stream runs itself (the KTransformers technique): the
+// stream copies x and the cold part of the active mask into pinned buffers, then reaches a host
+// node (cudaLaunchHostFunc) that runs this task on the driver's callback thread, then copies the
+// pinned output back to the GPU. The Python thread never waits per layer, and the node can be
+// captured in a CUDA graph with the rest of a decode step.
+//
+// The task: compact the cold ids whose mask entry is set, run the fused sparse FFN over them
+// (sparse_ffn_cpu, at::parallel_for threads), write y (zeros when nothing cold is active).
+// Exceptions cannot leave a host node: the first message is kept for cold_ffn_error().
+#include <ATen/ATen.h>
+
+#include <cstring>
+#include <mutex>
+#include <string>
+#include <tuple>
+
+#ifdef HS_WITH_CUDA
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime.h>
+#endif
+
+namespace hs {
+
+std::tuple<at::Tensor, at::Tensor> sparse_ffn_cpu(const at::Tensor& x, const at::Tensor& up, int64_t up_type,
+                                                  const c10::optional<at::Tensor>& gate, int64_t gate_type,
+                                                  const at::Tensor& down_t, int64_t down_type,
+                                                  const c10::optional<at::Tensor>& idx,
+                                                  const c10::optional<at::Tensor>& up_bias, int64_t act,
+                                                  bool act_on_up);
+
+namespace {
+
+struct ColdFFN {
+  at::Tensor x, mask, ids, idx, y;  // x, mask, y: the pinned exchange buffers; idx: scratch
+  at::Tensor up, down_t;
+  c10::optional<at::Tensor> gate, up_bias;
+  int64_t up_type, gate_type, down_type, act;
+  bool act_on_up;
+};
+
+std::mutex error_mutex;
+std::string first_error;
+
+void run(ColdFFN* c) {
+  try {
+    const bool* m = c->mask.data_ptr<bool>();
+    const int32_t* ids = c->ids.data_ptr<int32_t>();
+    int32_t* out = c->idx.data_ptr<int32_t>();
+    int64_t n = 0;
+    for (int64_t i = 0, e = c->ids.numel(); i < e; ++i)
+      if (m[i]) out[n++] = ids[i];
+    float* y = c->y.data_ptr<float>();
+    if (n == 0) {
+      std::memset(y, 0, c->y.numel() * sizeof(float));
+      return;
+    }
+    const at::Tensor yv = std::get<0>(sparse_ffn_cpu(c->x, c->up, c->up_type, c->gate, c->gate_type, c->down_t,
+                                                     c->down_type, c->idx.narrow(0, 0, n), c->up_bias, c->act,
+                                                     c->act_on_up));
+    std::memcpy(y, yv.data_ptr<float>(), c->y.numel() * sizeof(float));
+  } catch (const std::exception& e) {
+    std::lock_guard<std::mutex> lock(error_mutex);
+    if (first_error.empty()) first_error = e.what();
+    std::memset(c->y.data_ptr<float>(), 0, c->y.numel() * sizeof(float));
+  }
+}
+
+ColdFFN* get(int64_t handle) {
+  TORCH_CHECK(handle != 0, "cold_ffn: null handle");
+  return reinterpret_cast<ColdFFN*>(handle);
+}
+
+}  // namespace
+
+int64_t cold_ffn_new(const at::Tensor& x, const at::Tensor& mask, const at::Tensor& ids, const at::Tensor& y,
+                     const at::Tensor& up, int64_t up_type, const c10::optional<at::Tensor>& gate, int64_t gate_type,
+                     const at::Tensor& down_t, int64_t down_type, const c10::optional<at::Tensor>& up_bias,
+                     int64_t act, bool act_on_up) {
+  TORCH_CHECK(x.dim() == 2 && x.size(0) == 1 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.is_cpu(),
+              "cold_ffn: x must be a contiguous float32 [1, d_model] CPU tensor");
+  TORCH_CHECK(y.sizes() == x.sizes() && y.scalar_type() == at::kFloat && y.is_contiguous() && y.is_cpu(),
+              "cold_ffn: y must be a contiguous float32 [1, d_model] CPU tensor");
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kInt && ids.is_contiguous() && ids.is_cpu(),
+              "cold_ffn: ids must be a contiguous int32 CPU vector");
+  TORCH_CHECK(mask.scalar_type() == at::kBool && mask.is_contiguous() && mask.numel() == ids.numel() && mask.is_cpu(),
+              "cold_ffn: mask must be a contiguous bool CPU tensor with one entry per id");
+  const int64_t n_ff = up.size(0);
+  if (ids.numel()) {
+    const auto mm = at::aminmax(ids);
+    TORCH_CHECK(std::get<0>(mm).item<int32_t>() >= 0 && std::get<1>(mm).item<int32_t>() < n_ff,
+                "cold_ffn: ids must lie in [0, ", n_ff, ")");
+  }
+  auto* c = new ColdFFN{x, mask, ids, at::empty_like(ids), y, up, down_t, gate, up_bias,
+                        up_type, gate_type, down_type, act, act_on_up};
+  return reinterpret_cast<int64_t>(c);
+}
+
+void cold_ffn_run(int64_t handle) { run(get(handle)); }
+
+void cold_ffn_free(int64_t handle) { delete get(handle); }
+
+// The first error a task met since the last call (empty: none), and clear it.
+std::string cold_ffn_error() {
+  std::lock_guard<std::mutex> lock(error_mutex);
+  std::string e;
+  e.swap(first_error);
+  return e;
+}
+
+#ifdef HS_WITH_CUDA
+namespace {
+void CUDART_CB host_node(void* data) { run(static_cast<ColdFFN*>(data)); }
+}  // namespace
+
+// Put the task on the current CUDA stream (captured into a graph when the stream is capturing).
+void cold_ffn_enqueue(int64_t handle) {
+  C10_CUDA_CHECK(cudaLaunchHostFunc(c10::cuda::getCurrentCUDAStream(), host_node, get(handle)));
+}
+#else
+void cold_ffn_enqueue(int64_t) { TORCH_CHECK(false, "cold_ffn_enqueue: built without CUDA"); }
+#endif
+
+}  // namespace hs
