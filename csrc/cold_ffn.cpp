@@ -42,6 +42,12 @@ struct ColdFFN {
 std::mutex error_mutex;
 std::string first_error;
 
+void fail(ColdFFN* c, const char* what) {
+  std::lock_guard<std::mutex> lock(error_mutex);
+  if (first_error.empty()) first_error = what;
+  std::memset(c->y.data_ptr<float>(), 0, c->y.numel() * sizeof(float));
+}
+
 void run(ColdFFN* c) {
   try {
     const bool* m = c->mask.data_ptr<bool>();
@@ -59,10 +65,10 @@ void run(ColdFFN* c) {
                                                      c->down_type, c->idx.narrow(0, 0, n), c->up_bias, c->act,
                                                      c->act_on_up));
     std::memcpy(y, yv.data_ptr<float>(), c->y.numel() * sizeof(float));
+  } catch (const c10::Error& e) {
+    fail(c, e.what_without_backtrace());
   } catch (const std::exception& e) {
-    std::lock_guard<std::mutex> lock(error_mutex);
-    if (first_error.empty()) first_error = e.what();
-    std::memset(c->y.data_ptr<float>(), 0, c->y.numel() * sizeof(float));
+    fail(c, e.what());
   }
 }
 
@@ -91,6 +97,9 @@ int64_t cold_ffn_new(const at::Tensor& x, const at::Tensor& mask, const at::Tens
     TORCH_CHECK(std::get<0>(mm).item<int32_t>() >= 0 && std::get<1>(mm).item<int32_t>() < n_ff,
                 "cold_ffn: ids must lie in [0, ", n_ff, ")");
   }
+  // every weight check of the fused FFN, now (an empty index set): the task itself must not throw,
+  // since it runs where an exception cannot go (the driver's callback thread)
+  sparse_ffn_cpu(x, up, up_type, gate, gate_type, down_t, down_type, ids.narrow(0, 0, 0), up_bias, act, act_on_up);
   auto* c = new ColdFFN{x, mask, ids, at::empty_like(ids), y, up, down_t, gate, up_bias,
                         up_type, gate_type, down_type, act, act_on_up};
   return reinterpret_cast<int64_t>(c);

@@ -7,6 +7,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <string>
 #include <vector>
@@ -396,6 +398,140 @@ at::Tensor sparse_axpy_cpu(const at::Tensor& w, int64_t qtype, const at::Tensor&
 
 at::Tensor qmatmul_t_cpu(const at::Tensor& w, int64_t qtype, const at::Tensor& h) {
   return sparse_axpy_cpu(w, qtype, h, c10::nullopt);
+}
+
+}  // namespace hs
+
+namespace hs {
+
+// ---- the fused sparse FFN for one token ----------------------------------------------------------
+// Per active neuron, on one thread: g = gate_i . x, u = up_i . x, h = act(g) * u, then y += h * d_i
+// into the thread's own sum (AXPY_GROUP rows per pass over it); the sums are added at the end. One
+// parallel region per layer instead of three (row-dots, activation, axpy) and each neuron's three rows
+// read back to back. Decoding only (one token), formats with an AVX2 dot and a grouped axpy;
+// HS_FUSED_FFN=0 turns it off for side-by-side measurements. Returns false where it does not apply.
+
+namespace {
+
+inline float act_scalar(float v, int64_t act) {
+  switch (act) {
+    case 0: return v / (1.f + std::exp(-v));
+    case 1: return v > 0.f ? v : 0.f;
+    case 2: return 0.5f * v * (1.f + std::tanh(0.7978845608028654f * (v + 0.044715f * v * v * v)));
+    default: return 0.5f * v * (1.f + std::erf(v * 0.7071067811865476f));
+  }
+}
+
+bool fused_enabled() {  // read per call (tens of ns): benchmarks switch it within one process
+  const char* v = std::getenv("HS_FUSED_FFN");
+  return !(v && v[0] == '0');
+}
+
+}  // namespace
+
+bool sparse_ffn_fused_cpu(const at::Tensor& x, const at::Tensor& up, int64_t up_type,
+                          const c10::optional<at::Tensor>& gate, int64_t gate_type, const at::Tensor& down_t,
+                          int64_t down_type, const at::Tensor& idx, const c10::optional<at::Tensor>& up_bias,
+                          int64_t act, bool act_on_up, at::Tensor& y_out, at::Tensor& h_out) {
+#ifdef HS_X86
+  if (!fused_enabled() || !cpu_has_avx2() || x.dim() != 2 || x.size(0) != 1 || act < 0 || act > 3) return false;
+  const bool gated = gate.has_value() && gate->defined();
+  if (gated && gate_type != up_type) return false;
+  if (up_type != F16 && up_type != Q8_0 && up_type != Q4_0 && up_type != Q5_0) return false;
+  using AxpyRow = void (*)(float, const void*, float*, int64_t);
+  using AxpyGroup = void (*)(const float*, const void* const*, float*, int64_t);
+  AxpyRow direct = nullptr;
+  AxpyGroup group = nullptr;
+  switch (down_type) {
+    case F16: direct = axpy_f16_avx2; group = cpu_has_avx512() ? axpy_group_f16_avx512 : axpy_group_f16_avx2; break;
+    case Q8_0: direct = axpy_q8_0_avx2; group = axpy_group_q8_0_avx2; break;
+    case Q4_0: direct = axpy_q4_0_avx2; group = axpy_group_q4_0_avx2; break;
+    case Q5_0: direct = axpy_q5_0_avx2; group = axpy_group_q5_0_avx2; break;
+    default: return false;
+  }
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(), "sparse_ffn: x must be contiguous float32");
+  const int64_t K = x.size(1);
+  check_weight(up, up_type, K, "sparse_ffn");
+  if (gated) check_weight(*gate, gate_type, K, "sparse_ffn");
+  const int64_t M = check_rows(idx, up.size(0), "sparse_ffn");
+  const int dbe = block_elems(down_type), dbb = block_bytes(down_type);
+  const int64_t drow = down_t.size(1) * down_t.element_size(), D = drow / dbb * dbe;
+  check_weight(down_t, down_type, D, "sparse_ffn");
+  TORCH_CHECK(down_t.size(0) == up.size(0), "sparse_ffn: ffn_down_t has ", down_t.size(0), " rows, up has ",
+              up.size(0));
+  const bool has_bias = up_bias.has_value() && up_bias->defined();
+  if (has_bias)
+    TORCH_CHECK(up_bias->dim() == 1 && up_bias->size(0) == up.size(0) && up_bias->scalar_type() == at::kFloat &&
+                    up_bias->is_contiguous(), "sparse_ffn: up bias must be float32 [n_ff]");
+  y_out = at::zeros({1, D}, x.options());
+  h_out = at::empty({1, M}, x.options());
+  if (M == 0) return true;
+
+  const float* xp = x.data_ptr<float>();
+  std::vector<ActQ8> act32;
+  DotQ8 dq = nullptr;
+  DotF df = nullptr;
+  if (up_type == F16) {
+    df = pick_float(F16);
+  } else {
+    dq = pick_q8(up_type);
+    act32.resize(K / QK);
+    quantize_act_q8(xp, act32.data(), K);
+  }
+  const int64_t rb = up.size(1) * up.element_size();
+  const uint8_t* upp = static_cast<const uint8_t*>(up.data_ptr());
+  const uint8_t* gp = gated ? static_cast<const uint8_t*>(gate->data_ptr()) : nullptr;
+  const uint8_t* dp = static_cast<const uint8_t*>(down_t.data_ptr());
+  const float* bp = has_bias ? up_bias->data_ptr<float>() : nullptr;
+  const int32_t* ip = idx.data_ptr<int32_t>();
+  float* hp = h_out.data_ptr<float>();
+  // at least 8 neurons a thread: fewer is not worth waking a thread for
+  const int n_threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), M / 8)));
+  std::vector<float> partial(static_cast<size_t>(n_threads) * D);
+  at::parallel_for(0, n_threads, 1, [&](int64_t tb, int64_t te) {
+    for (int64_t tid = tb; tid < te; ++tid) {
+      float* acc = partial.data() + tid * D;
+      std::fill(acc, acc + D, 0.f);
+      const void* rows[AXPY_GROUP];
+      float sc[AXPY_GROUP];
+      int n_group = 0;
+      const int64_t r0 = M * tid / n_threads, r1 = M * (tid + 1) / n_threads;
+      for (int64_t k = r0; k < r1; ++k) {
+        const int64_t r = ip[k];
+        const uint8_t* ur = upp + r * rb;
+        float u = df ? df(ur, xp, K) : dq(ur, act32.data(), K / QK);
+        if (bp) u += bp[r];
+        float h;
+        if (gated) {
+          const uint8_t* gr = gp + r * rb;
+          const float g = df ? df(gr, xp, K) : dq(gr, act32.data(), K / QK);
+          h = act_scalar(g, act) * (act_on_up ? act_scalar(u, act) : u);
+        } else {
+          h = act_scalar(u, act);
+        }
+        hp[k] = h;
+        if (h == 0.f) continue;  // a ReLU neuron that did not fire costs no down row
+        rows[n_group] = dp + r * drow;
+        sc[n_group++] = h;
+        if (n_group == AXPY_GROUP) {
+          group(sc, rows, acc, D);
+          n_group = 0;
+        }
+      }
+      for (int j = 0; j < n_group; ++j) direct(sc[j], rows[j], acc, D);
+    }
+  });
+  float* yp = y_out.data_ptr<float>();
+  for (int tid = 0; tid < n_threads; ++tid) {
+    const float* p = partial.data() + static_cast<int64_t>(tid) * D;
+    for (int64_t i = 0; i < D; ++i) yp[i] += p[i];
+  }
+  return true;
+#else
+  (void)x; (void)up; (void)up_type; (void)gate; (void)gate_type; (void)down_t; (void)down_type; (void)idx;
+  (void)up_bias; (void)act; (void)act_on_up; (void)y_out; (void)h_out;
+  return false;
+#endif
 }
 
 }  // namespace hs

@@ -16,6 +16,10 @@ std::vector<at::Tensor> qmatmul_rows_cpu(const std::vector<at::Tensor>& ws, cons
 at::Tensor sparse_axpy_cpu(const at::Tensor& w, int64_t qtype, const at::Tensor& h,
                            const c10::optional<at::Tensor>& idx);
 at::Tensor gated_act_cpu(const at::Tensor& gate, const at::Tensor& up, int64_t act, bool act_on_up);
+bool sparse_ffn_fused_cpu(const at::Tensor& x, const at::Tensor& up, int64_t up_type,
+                          const c10::optional<at::Tensor>& gate, int64_t gate_type, const at::Tensor& down_t,
+                          int64_t down_type, const at::Tensor& idx, const c10::optional<at::Tensor>& up_bias,
+                          int64_t act, bool act_on_up, at::Tensor& y_out, at::Tensor& h_out);
 
 std::tuple<at::Tensor, at::Tensor> sparse_ffn_cpu(const at::Tensor& x, const at::Tensor& up, int64_t up_type,
                                                   const c10::optional<at::Tensor>& gate, int64_t gate_type,
@@ -24,6 +28,11 @@ std::tuple<at::Tensor, at::Tensor> sparse_ffn_cpu(const at::Tensor& x, const at:
                                                   const c10::optional<at::Tensor>& up_bias, int64_t act,
                                                   bool act_on_up) {
   const bool gated = gate.has_value() && gate->defined();
+  if (idx.has_value() && idx->defined()) {  // decoding: one fused pass per neuron (cpu_matmul.cpp)
+    at::Tensor y, h;
+    if (sparse_ffn_fused_cpu(x, up, up_type, gate, gate_type, down_t, down_type, *idx, up_bias, act, act_on_up, y, h))
+      return {y, h};
+  }
   std::vector<at::Tensor> ws;
   std::vector<int64_t> types;
   if (gated) {

@@ -138,7 +138,15 @@ class HybridFFN:
     def capturable(self) -> bool:
         """A decode step can be a CUDA graph: the cold part (if any) runs as a host node, and there
         is no dense pass for an oracle."""
-        return self.mode != "oracle" and (self.n_cold == 0 or kernels.host_nodes_available())
+        return self.mode != "oracle" and (self.n_cold == 0 or self._host_nodes())
+
+    def _host_nodes(self) -> bool:
+        """Whether the cold part runs as a host node: on CUDA, for the weight types the compiled CPU
+        FFN reads (others go through the twins, on the Python thread), not for the oracle."""
+        w = self.full
+        return (self.mode != "oracle" and kernels.host_nodes_available() and w.up.qtype in kernels.CPU_QTYPES
+                and (w.gate is None or w.gate.qtype in kernels.CPU_QTYPES)
+                and self.down_t.qtype in kernels.CPU_AXPY_QTYPES)
 
     @property
     def gpu_bytes(self) -> int:
@@ -182,7 +190,7 @@ class HybridFFN:
         dev = x.device
         with _timed("predictor"):
             mask = self.active(x)
-        if self.n_cold and x.is_cuda and x.shape[0] == 1 and kernels.host_nodes_available():
+        if self.n_cold and x.is_cuda and x.shape[0] == 1 and self._host_nodes():
             return self._decode_host_node(x, mask)
         cold_in = None
         if self.n_cold:

@@ -64,7 +64,7 @@ CASES = {
 }
 
 
-def build_case(name, tmp_path):
+def build_case(name, tmp_path, dtype="f32"):
     torch.manual_seed(0)
     make, extra = CASES[name]
     model = make().eval()
@@ -72,7 +72,8 @@ def build_case(name, tmp_path):
         for pname, p in model.named_parameters():
             if "norm" in pname or "ln" in pname or pname.endswith("bias"):
                 p.add_(torch.randn_like(p) * 0.1)
-    path = write_gguf(tmp_path / f"{name}.gguf", model.config, model.state_dict().items(), extra_metadata=extra)
+    path = write_gguf(tmp_path / f"{name}.gguf", model.config, model.state_dict().items(), dtype=dtype,
+                      extra_metadata=extra)
     return model, load_model(GGUFFile(path))
 
 

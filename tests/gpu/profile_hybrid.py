@@ -2,9 +2,11 @@
   - graphs: the step as one CUDA graph, each layer's cold FFN a host node (the default),
   - host nodes: the same queued op by op (no graph),
   - events: the event-synchronised path (HS_HOST_NODES=0), with host time per part (HS_HYBRID_TIMING),
+  - graphs with the CPU FFN unfused (HS_FUSED_FFN=0: row-dots, activation and axpy as three passes),
 and torch's profile of two eager steps.
   HS_HYBRID_TIMING=1 python tests/gpu/profile_hybrid.py MODEL BUDGET_GIB [MODE] [N]"""
 
+import os
 import sys
 import time
 
@@ -43,8 +45,11 @@ def decode(use_graphs: bool, host_nodes: bool) -> float:
         return (time.perf_counter() - t) / n
 
 
-for label, graphs, nodes in (("graphs + host nodes", True, True), ("host nodes, no graph", False, True),
-                             ("events (HS_HOST_NODES=0)", False, False)):
+for label, graphs, nodes, fused in (("graphs + host nodes", True, True, "1"),
+                                    ("the same, HS_FUSED_FFN=0", True, True, "0"),
+                                    ("host nodes, no graph", False, True, "1"),
+                                    ("events (HS_HOST_NODES=0)", False, False, "1")):
+    os.environ["HS_FUSED_FFN"] = fused  # the compiled CPU FFN reads it per call
     dt = decode(graphs, nodes)
     print(f"{label:26s} {dt * 1e3:7.1f} ms per token ({1 / dt:6.2f} tok/s)")
 if hybrid.TIMING:

@@ -72,7 +72,7 @@ def test_host_node_decode_in_cuda_graphs_equals_dense_on_cuda(name, head_fast, t
     host node of the stream and the whole step is replayed as a CUDA graph (head inside or outside);
     the logits match the all-GPU dense model's, and the event-synchronised path's."""
     from hybridsparse.runtime import kernels
-    _, dense = build_case(name, tmp_path)
+    _, dense = build_case(name, tmp_path, dtype="f16")  # a type the compiled CPU FFN reads (F32: the twins)
     path = dense.gguf.path
     dense.place(dense.config.n_layers + 1, torch.device("cuda"))
     ids = torch.randint(0, VOCAB, (5,), generator=torch.Generator().manual_seed(4))
