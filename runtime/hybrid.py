@@ -257,10 +257,10 @@ class HybridFFN:
                  "cm": torch.zeros(1, self.n_cold, dtype=torch.bool, device=dev)}
             if self.mode == "dense":
                 t["mh"].fill_(True)
-            t["handle"] = kernels.cpu.cold_ffn_new(
-                t["xh"], t["mh"], self.cold_ids, t["yh"], w.up.data, int(w.up.qtype),
-                None if w.gate is None else w.gate.data, int((w.gate or w.up).qtype), self.down_t.data,
-                int(self.down_t.qtype), w.up_bias, kernels.ACTIVATION_IDS[self.spec.activation], self.spec.act_on_up)
+            t["handle"] = kernels.cold_ffn_task(
+                t["xh"], t["mh"], self.cold_ids, t["yh"], w.up.data, w.up.qtype,
+                None if w.gate is None else w.gate.data, (w.gate or w.up).qtype, self.down_t.data,
+                self.down_t.qtype, w.up_bias, self.spec.activation, self.spec.act_on_up)
             self._task = t
         return self._task
 

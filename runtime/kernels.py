@@ -434,6 +434,39 @@ def host_nodes_available() -> bool:
     return HOST_NODES and _has_cuda_kernels()
 
 
+def cold_ffn_task(x, mask, ids, y, up, up_type, gate, gate_type, down_t, down_type, up_bias, activation,
+                  act_on_up) -> int:
+    """A layer's cold FFN as a task for host nodes (csrc/cold_ffn.cpp) over the pinned buffers x,
+    mask (one bool per id), y; checked here first (a C++ exception takes the GPU machine's process down;
+    the task itself runs where none can be raised). Free it with cpu.cold_ffn_free."""
+    op = "cold_ffn"
+    if ops() is None:
+        raise RuntimeError(f"{op}: the compiled kernels are unavailable")
+    if x.dim() != 2 or x.shape[0] != 1 or x.dtype != torch.float32 or not x.is_contiguous() or x.is_cuda:
+        raise ValueError(f"{op}: x must be a contiguous float32 [1, d_model] CPU tensor")
+    if y.shape != x.shape or y.dtype != torch.float32 or not y.is_contiguous() or y.is_cuda:
+        raise ValueError(f"{op}: y must be a contiguous float32 CPU tensor shaped like x {list(x.shape)}")
+    if mask.dtype != torch.bool or not mask.is_contiguous() or mask.numel() != ids.numel() or mask.is_cuda:
+        raise ValueError(f"{op}: mask must be a contiguous bool CPU tensor with one entry per id ({ids.numel()})")
+    if not ids.is_contiguous() or ids.is_cuda:
+        raise ValueError(f"{op}: ids must be a contiguous CPU vector")
+    _check_index(ids, up.shape[0], op)
+    types = {Q(up_type)} | ({Q(gate_type)} if gate is not None else set())
+    if not types <= CPU_QTYPES or Q(down_type) not in CPU_AXPY_QTYPES:
+        raise ValueError(f"{op}: weight types {sorted(t.name for t in types)} / {Q(down_type).name} are not ones the "
+                         "compiled CPU FFN reads")
+    validate_matmul(up, up_type, x, op)
+    if gate is not None:
+        validate_matmul(gate, gate_type, x, op)
+    if down_t.dim() != 2 or down_t.shape[0] != up.shape[0] or not down_t.is_contiguous():
+        raise ValueError(f"{op}: ffn_down_t must be a contiguous [{up.shape[0]}, d_model] tensor")
+    if up_bias is not None and (up_bias.shape != (up.shape[0],) or up_bias.dtype != torch.float32 or up_bias.is_cuda
+                                or not up_bias.is_contiguous()):
+        raise ValueError(f"{op}: up bias must be a contiguous float32 [{up.shape[0]}] CPU vector")
+    return cpu.cold_ffn_new(x, mask, ids, y, up, int(up_type), gate, int(gate_type), down_t, int(down_type), up_bias,
+                            ACTIVATION_IDS[activation], act_on_up)
+
+
 def raise_host_errors() -> None:
     """Raise the first error a cold-FFN host node met (they cannot raise where they run)."""
     if cpu is not None:

@@ -151,8 +151,7 @@ def test_cold_ffn_task(qtype, density):
     ids = torch.randperm(n_ff, generator=g)[:40].int()
     x, y = torch.randn(1, d), torch.full((1, d), float("nan"))
     mask = torch.rand(1, ids.numel(), generator=g) < density
-    task = kernels.cpu.cold_ffn_new(x, mask, ids, y, up, int(qtype), gate, int(qtype), down_t, int(qtype), None,
-                                    kernels.ACTIVATION_IDS["silu"], False)
+    task = kernels.cold_ffn_task(x, mask, ids, y, up, qtype, gate, qtype, down_t, qtype, None, "silu", False)
     try:
         kernels.cpu.cold_ffn_run(task)
         active = ids[mask[0]]
@@ -168,32 +167,32 @@ def test_cold_ffn_task(qtype, density):
 
 
 def test_cold_ffn_task_errors():
-    """Bad buffers are refused when the task is made; a failure while it runs (where it cannot raise)
-    is kept for cold_ffn_error and y is zeroed."""
+    """Bad buffers, ids and weights are refused in one line when the task is made (in Python: a C++
+    exception takes the GPU machine's process down, and the task runs where none can be raised)."""
     d, n_ff = 64, N_ROWS
     up = random_rows(Q.Q8_0, n_ff, d, seed=1)
     ids, mask, x, y = torch.arange(4, dtype=torch.int32), torch.ones(1, 4, dtype=torch.bool), torch.randn(1, d), \
-        torch.full((1, d), 1.0)
-    with pytest.raises(RuntimeError, match=r"ids must lie in \[0, 67\)"):
-        kernels.cpu.cold_ffn_new(x, mask[:, :2], torch.tensor([0, 67], dtype=torch.int32), y, up, int(Q.Q8_0), None,
-                                 int(Q.Q8_0), up, int(Q.Q8_0), None, 1, False)
-    with pytest.raises(RuntimeError, match="one entry per id"):
-        kernels.cpu.cold_ffn_new(x, mask[:, :3], ids, y, up, int(Q.Q8_0), None, int(Q.Q8_0), up, int(Q.Q8_0),
-                                 None, 1, False)
-    with pytest.raises(RuntimeError, match="unsupported weight type id 99"):  # checked before it can run
-        kernels.cpu.cold_ffn_new(x, mask, ids, y, up, 99, None, 99, up, int(Q.Q8_0), None, 1, False)
-    with pytest.raises(RuntimeError, match="unsupported weight type id 0"):  # F32: the twins, not the task
-        kernels.cpu.cold_ffn_new(x, mask, ids, y, torch.randn(n_ff, d), int(Q.F32), None, 0, up, int(Q.Q8_0),
-                                 None, 1, False)
-    # a failure while it runs (where it cannot raise: an input changed under it) is kept, y zeroed
-    task = kernels.cpu.cold_ffn_new(x, mask, ids, y, up, int(Q.Q8_0), None, int(Q.Q8_0), up, int(Q.Q8_0), None, 1,
-                                    False)
+        torch.zeros(1, d)
+    ok = (x, mask, ids, y, up, Q.Q8_0, None, Q.Q8_0, up, Q.Q8_0, None, "relu", False)
+
+    def bad(i, value, match):
+        args = list(ok)
+        args[i] = value
+        with pytest.raises(ValueError, match=match):
+            kernels.cold_ffn_task(*args)
+
+    bad(2, torch.tensor([0, 67, 1, 2], dtype=torch.int32), "outside the 67 rows")
+    bad(1, mask[:, :3], "one entry per id")
+    bad(3, torch.zeros(1, d + 1), "shaped like x")
+    bad(0, torch.randn(2, d), r"\[1, d_model\]")
+    bad(5, Q.Q2_K, "not ones the compiled CPU FFN reads")
+    bad(4, torch.randn(n_ff, d), "row")  # float32 data declared Q8_0
+    bad(8, up[:10], "ffn_down_t")
+    task = kernels.cold_ffn_task(*ok)
     try:
-        x.resize_(1, 32)
         kernels.cpu.cold_ffn_run(task)
-        err = kernels.cpu.cold_ffn_error()
-        assert "weight row has 68 bytes, expected 34" in err and "\n" not in err.strip()  # no C++ backtrace
-        assert kernels.cpu.cold_ffn_error() == ""  # reported once
-        assert (y == 0).all()
+        assert kernels.cpu.cold_ffn_error() == ""
+        ref, _ = kernels.sparse_ffn(x, up, Q.Q8_0, None, Q.Q8_0, up, Q.Q8_0, ids, None, "relu", False)
+        torch.testing.assert_close(y, ref, rtol=1e-6, atol=1e-6)
     finally:
         kernels.cpu.cold_ffn_free(task)

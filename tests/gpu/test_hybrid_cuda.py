@@ -46,23 +46,19 @@ def test_oracle_hybrid_on_cuda_equals_dense_on_cuda(name, tmp_path):
         assert tokens == ref_tokens
 
 
-def _generator_run(model, ids, n=6):
-    """Prefill then greedy decode through the Generator (CUDA graphs when every layer is on the GPU):
-    the last-step logits of each decode step and the tokens."""
+def _generator_run(model, ids, feed):
+    """Prefill, then decode the tokens `feed` one by one through the Generator (CUDA graphs when every
+    layer is on the GPU; teacher-forced, so a near tie between two logits of a random model cannot
+    send two runs down different paths): the logits of each decode step, and whether graphs ran."""
     from hybridsparse.runtime import kernels
     from hybridsparse.runtime.generate import Generator
     gen = Generator(model, None, 64)
     with torch.inference_mode():
-        logits = gen.eval(ids.tolist())
-        out, tokens = [], []
-        for _ in range(n):
-            tok = int(logits.argmax())
-            tokens.append(tok)
-            logits = gen.eval([tok])
-            out.append(logits.float().cpu())
+        gen.eval(ids.tolist())
+        out = [gen.eval([tok]).float().cpu() for tok in feed]
         torch.cuda.synchronize()
         kernels.raise_host_errors()
-    return torch.stack(out), tokens, gen._graphs is not None
+    return torch.stack(out), gen._graphs is not None
 
 
 @pytest.mark.parametrize("name", ["llama-swiglu", "gemma3", "opt", "falcon-40b-relu"])
@@ -76,7 +72,8 @@ def test_host_node_decode_in_cuda_graphs_equals_dense_on_cuda(name, head_fast, t
     path = dense.gguf.path
     dense.place(dense.config.n_layers + 1, torch.device("cuda"))
     ids = torch.randint(0, VOCAB, (5,), generator=torch.Generator().manual_seed(4))
-    ref, ref_tokens, _ = _generator_run(dense, ids)
+    feed = torch.randint(0, VOCAB, (6,), generator=torch.Generator().manual_seed(6)).tolist()
+    ref, _ = _generator_run(dense, ids, feed)
     rng = np.random.default_rng(8)
     runs = []
     for host_nodes in (True, False):
@@ -86,12 +83,11 @@ def test_host_node_decode_in_cuda_graphs_equals_dense_on_cuda(name, head_fast, t
         hot = [np.sort(rng.choice(c.n_ff, c.n_ff // 3, replace=False)) for _ in range(c.n_layers)]
         setup_hybrid(model, path, HybridOptions(mode="dense", device="cuda", hot=hot, attn_fast=[True] * c.n_layers,
                                                 head_fast=head_fast), log_line=lambda *_: None)
-        logits, tokens, graphed = _generator_run(model, ids)
-        assert graphed == host_nodes  # without host nodes a split layer cannot be captured
+        logits, graphed = _generator_run(model, ids, feed)
+        assert graphed == host_nodes, f"{name}: graphs {graphed} with host nodes {host_nodes}"
         scale = ref.abs().max().item()
         err = (logits - ref).abs().max().item()
         assert err <= 2e-3 * max(scale, 1.0), f"{name} host nodes {host_nodes}: {err:.3g} vs scale {scale:.3g}"
-        assert tokens == ref_tokens
         runs.append(logits)
     torch.testing.assert_close(runs[0], runs[1], rtol=1e-4, atol=1e-4 * max(1.0, ref.abs().max().item()))
 
@@ -148,5 +144,5 @@ def test_peak_device_memory_within_budget(tiny_profiled, budget):
         r = hs_run("-m", str(tiny_profiled), "-p", "Hello", "-n", "16", "--temp", "0", "--dense",
                    "--vram-budget", str(budget), "--reset-gpu-index")
     assert r.returncode == 0, r.stderr
-    if poll.cmd:
-        assert poll.peak - poll.base <= budget * 2**30, f"peak {(poll.peak - poll.base) / 2**20:.0f} MiB"
+    assert poll.ok, "NVML (libnvidia-ml) is not readable on this GPU machine"
+    assert poll.peak - poll.base <= budget * 2**30, f"peak {(poll.peak - poll.base) / 2**20:.0f} MiB"

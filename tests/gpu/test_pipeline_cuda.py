@@ -28,7 +28,7 @@ def test_pipeline_on_cuda(tmp_path, capsys):
     for row in report["layers"]:
         assert row["recall"] >= 0.98
     capsys.readouterr()
-    assert S.main(["-m", str(model), "--vram-budget", "1", "--group", "32", "--measure"]) == 0
+    assert S.main(["-m", str(model), "--vram-budget", "1", "--measure"]) == 0
     err = capsys.readouterr().err
     print(err)
     m = re.search(r"measured CPU ([0-9.]+) GiB/s, GPU ([0-9.]+) GiB/s, hand-over ([0-9.]+) us", err)
