@@ -136,8 +136,10 @@ def print_plan(plan, problem: Problem, out=None) -> None:
     for L in r["layers"]:
         print(f"{L['layer']:>5} {L['gpu_neurons']:>7}/{L['n_ff']:<7} {'GPU' if L['attn_gpu'] else 'CPU':>5} "
               f"{L['gpu_ms']:8.3f} {L['cpu_ms']:8.3f}  {'yes' if L['split'] else ''}", file=out)
+    graph = "one CUDA graph per decode step" if not r["eager_ms_per_token"] else \
+        f"no CUDA graph (attention on the CPU): +{r['eager_ms_per_token']:.2f} ms/token"
     print(f"head on {'GPU' if r['head_gpu'] else 'CPU'}; {r['syncs_per_token']} CPU<->GPU hand-overs per token, "
-          f"{r['pcie_bytes_per_token'] / 1024:.1f} KiB over PCIe", file=out)
+          f"{r['pcie_bytes_per_token'] / 1024:.1f} KiB over PCIe; {graph}", file=out)
     print(f"solver: {plan.method} ({plan.status}, {plan.solve_s:.2f} s); predicted {r['ms_per_token']:.2f} ms/token "
           f"= {r['tokens_per_s']:.1f} tokens/s; VRAM {r['vram_bytes'] / GiB:.2f} of {problem.vram_budget / GiB:.2f} GiB",
           file=out)

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-SOLVER_VERSION = "hs-ilp-1"
+SOLVER_VERSION = "hs-ilp-2"  # 2: the cost of a decode step without a CUDA graph
 GiB = 1 << 30
 # VRAM that is not weights: the CUDA context and cuBLAS workspace (the driver counts them), the
 # activations, CUDA-graph buffers and allocator slack; plus a relative margin.
@@ -60,6 +60,10 @@ class Hardware:
     sync_s: float  # one CPU<->GPU hand-over of the hidden state (latency + transfer)
     pcie_bw: float = 25e9
     pcie_budget: float | None = None  # bytes per token over PCIe
+    # Per layer and token, the cost of a decode step run op by op instead of replayed as one CUDA graph,
+    # which the runtime can do only when every layer's attention is on the GPU (measured on the H200:
+    # 57.7 vs 47.8 ms for 40 layers of a 13B model at 11 GiB, tests/gpu/profile_hybrid.py)
+    eager_layer_s: float = 250e-6
 
 
 @dataclass
@@ -139,6 +143,8 @@ def evaluate(problem: Problem, plan: Plan) -> dict:
         total_mass += float(mass.sum())
         per_layer.append({"layer": l, "gpu_neurons": int(sizes[:k].sum()), "n_ff": L.n_ff, "attn_gpu": bool(a),
                           "gpu_ms": gpu * 1e3, "cpu_ms": cpu * 1e3, "split": bool(split), "ms": t * 1e3})
+    eager = 0.0 if all(plan.attn_gpu) else len(problem.layers) * hw.eager_layer_s  # no decode graph
+    total += eager
     head = problem.head_bytes / (hw.gpu_bw if plan.head_gpu else hw.cpu_bw)
     change = prev_gpu is not None and prev_gpu != plan.head_gpu
     syncs += change
@@ -147,6 +153,7 @@ def evaluate(problem: Problem, plan: Plan) -> dict:
     pcie = syncs * 2 * problem.d_model * 4
     return {"ms_per_token": total * 1e3, "tokens_per_s": 1.0 / total if total > 0 else float("inf"),
             "vram_bytes": int(vram), "vram_budget": problem.vram_budget, "syncs_per_token": int(syncs),
+            "eager_ms_per_token": eager * 1e3,
             "pcie_bytes_per_token": pcie, "gpu_activation_share": gpu_mass / total_mass if total_mass else 0.0,
             "head_gpu": plan.head_gpu, "layers": per_layer}
 
@@ -195,7 +202,12 @@ def solve_ilp(problem: Problem, time_limit: float = 30.0) -> Plan:
         m += cl >= nxt - a[l]
         objective += hw.sync_s * cl
         c.append(cl)
-    m += objective
+    if hw.eager_layer_s > 0:  # z: every attention on the GPU, so the decode step is one CUDA graph
+        z = pulp.LpVariable("all_attn_gpu", cat="Binary")
+        for l in range(n):
+            m += z <= a[l]
+        objective += (1 - z) * n * hw.eager_layer_s
+    m += objective * 1e3  # in milliseconds: in seconds the costs sit near CBC's tolerances
     m += vram <= problem.vram_budget
     if hw.pcie_budget is not None:
         m += (pulp.lpSum(s) + pulp.lpSum(c)) * 2 * problem.d_model * 4 <= hw.pcie_budget

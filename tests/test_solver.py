@@ -45,6 +45,20 @@ def test_ilp_equals_brute_force_and_respects_the_budget(seed, extra):
     assert r_ilp["ms_per_token"] <= greedy["ms_per_token"] + 1e-9
 
 
+@pytest.mark.parametrize("eager_us", [0.0, 250.0, 5000.0])
+def test_cost_of_losing_the_decode_graph(eager_us):
+    """A plan with any attention on the CPU pays eager_layer_s per layer (no CUDA graph); the ILP still
+    equals brute force, and a large enough price keeps every attention on the GPU when it fits."""
+    p = tiny_problem(3, 60)
+    p.hw.eager_layer_s = eager_us * 1e-6
+    ilp, brute = solve_ilp(p), solve_brute_force(p)
+    r = evaluate(p, ilp)
+    assert r["ms_per_token"] == pytest.approx(evaluate(p, brute)["ms_per_token"], rel=1e-6, abs=1e-9)
+    assert r["eager_ms_per_token"] == (0.0 if all(ilp.attn_gpu) else pytest.approx(2 * eager_us / 1e3))
+    if eager_us >= 5000:
+        assert all(ilp.attn_gpu)
+
+
 def test_pcie_budget_limits_hand_overs():
     p = tiny_problem(1, 60, sync_us=0.0, pcie_budget=0)
     plan = solve_ilp(p)
