@@ -522,10 +522,13 @@ bool sparse_ffn_fused_cpu(const at::Tensor& x, const at::Tensor& up, int64_t up_
     }
   });
   float* yp = y_out.data_ptr<float>();
-  for (int tid = 0; tid < n_threads; ++tid) {
-    const float* p = partial.data() + static_cast<int64_t>(tid) * D;
-    for (int64_t i = 0; i < D; ++i) yp[i] += p[i];
-  }
+  // the threads' sums added slice by slice (16 x 5120 floats for a 13B layer: ~30 us on one thread)
+  at::parallel_for(0, D, std::max<int64_t>(256, D / std::max(1, n_threads)), [&](int64_t b, int64_t e) {
+    for (int tid = 0; tid < n_threads; ++tid) {
+      const float* p = partial.data() + static_cast<int64_t>(tid) * D;
+      for (int64_t i = b; i < e; ++i) yp[i] += p[i];
+    }
+  });
   return true;
 #else
   (void)x; (void)up; (void)up_type; (void)gate; (void)gate_type; (void)down_t; (void)down_type; (void)idx;
