@@ -15,6 +15,8 @@
 
 namespace hs {
 
+constexpr int AXPY_GROUP = 4;  // rows per pass of the grouped axpy (below)
+
 // ---- activation quantization (see ActQ8): round half away from zero ------------------------------
 
 template <int N>
@@ -458,33 +460,6 @@ HS_AVX2 static inline void axpy_i8x32_avx2(float s, __m256i q, float* y) {
   for (int j = 0; j < 4; ++j) _mm256_storeu_ps(y + 8 * j, _mm256_fmadd_ps(sv, v[j], _mm256_loadu_ps(y + 8 * j)));
 }
 
-HS_AVX2 static inline void axpy_q8_0_avx2(float s, const void* row, float* y, int64_t n) {
-  const BlockQ8_0* w = static_cast<const BlockQ8_0*>(row);
-  for (int64_t b = 0; b < n / QK; ++b)
-    axpy_i8x32_avx2(s * _cvtsh_ss(w[b].d), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[b].qs)), y + b * QK);
-}
-
-HS_AVX2 static inline void axpy_q4_0_avx2(float s, const void* row, float* y, int64_t n) {
-  const BlockQ4_0* w = static_cast<const BlockQ4_0*>(row);
-  for (int64_t b = 0; b < n / QK; ++b)
-    axpy_i8x32_avx2(s * _cvtsh_ss(w[b].d), _mm256_sub_epi8(nibbles_32(w[b].qs), _mm256_set1_epi8(8)), y + b * QK);
-}
-
-HS_AVX2 static inline void axpy_q5_0_avx2(float s, const void* row, float* y, int64_t n) {
-  const BlockQ5_0* w = static_cast<const BlockQ5_0*>(row);
-  for (int64_t b = 0; b < n / QK; ++b) {
-    const __m256i hi = _mm256_andnot_si256(bytes_from_bits_32(w[b].qh), _mm256_set1_epi8(static_cast<char>(0xF0)));
-    axpy_i8x32_avx2(s * _cvtsh_ss(w[b].d), _mm256_or_si256(nibbles_32(w[b].qs), hi), y + b * QK);
-  }
-}
-
-// ---- AVX-512 (F, BW, DQ, VL, VNNI): two 32-element blocks per 512-bit register ---------------------
-// ---- grouped axpy: y += sum_j s_j * row_j over a group of AXPY_GROUP rows ---------------------------
-// One load and one store of y per group instead of per row: with one row at a time the y traffic
-// (a 4-byte load and store per 2-byte weight) held the sparse down projection to a quarter of the
-// row-dot's bandwidth on the GPU machine's Xeon.
-constexpr int AXPY_GROUP = 4;
-
 // the 32 int8 values of block b of a row in a block format, centred (Q4_0, Q5_0: minus the offset)
 template <int64_t QT>
 HS_AVX2 static inline __m256i block_i8x32(const void* row, int64_t b, float* d) {
@@ -492,17 +467,35 @@ HS_AVX2 static inline __m256i block_i8x32(const void* row, int64_t b, float* d) 
     const BlockQ8_0& w = static_cast<const BlockQ8_0*>(row)[b];
     *d = _cvtsh_ss(w.d);
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.qs));
-  } else if constexpr (QT == Q4_0) {
-    const BlockQ4_0& w = static_cast<const BlockQ4_0*>(row)[b];
-    *d = _cvtsh_ss(w.d);
-    return _mm256_sub_epi8(nibbles_32(w.qs), _mm256_set1_epi8(8));
   } else {
-    const BlockQ5_0& w = static_cast<const BlockQ5_0*>(row)[b];
-    *d = _cvtsh_ss(w.d);
-    const __m256i hi = _mm256_andnot_si256(bytes_from_bits_32(w.qh), _mm256_set1_epi8(static_cast<char>(0xF0)));
-    return _mm256_or_si256(nibbles_32(w.qs), hi);
+    return _mm256_sub_epi8(unsigned_block_q45_0<QT>(row, b, *d), _mm256_set1_epi8(QT == Q4_0 ? 8 : 16));
   }
 }
+
+// y[0..n) += s * row for the block formats, a block at a time
+template <int64_t QT>
+HS_AVX2 static inline void axpy_blocks_avx2(float s, const void* row, float* y, int64_t n) {
+  for (int64_t b = 0; b < n / QK; ++b) {
+    float d;
+    const __m256i q = block_i8x32<QT>(row, b, &d);
+    axpy_i8x32_avx2(s * d, q, y + b * QK);
+  }
+}
+HS_AVX2 static inline void axpy_q8_0_avx2(float s, const void* row, float* y, int64_t n) {
+  axpy_blocks_avx2<Q8_0>(s, row, y, n);
+}
+HS_AVX2 static inline void axpy_q4_0_avx2(float s, const void* row, float* y, int64_t n) {
+  axpy_blocks_avx2<Q4_0>(s, row, y, n);
+}
+HS_AVX2 static inline void axpy_q5_0_avx2(float s, const void* row, float* y, int64_t n) {
+  axpy_blocks_avx2<Q5_0>(s, row, y, n);
+}
+
+// ---- AVX-512 (F, BW, DQ, VL, VNNI): two 32-element blocks per 512-bit register ---------------------
+// ---- grouped axpy: y += sum_j s_j * row_j over a group of AXPY_GROUP rows ---------------------------
+// One load and one store of y per group instead of per row: with one row at a time the y traffic
+// (a 4-byte load and store per 2-byte weight) held the sparse down projection to a quarter of the
+// row-dot's bandwidth on the GPU machine's Xeon. (AXPY_GROUP: top of this file.)
 
 template <int64_t QT>
 HS_AVX2 static inline void axpy_group_blocks_avx2(const float* s, const void* const* rows, float* y, int64_t n) {

@@ -91,6 +91,28 @@ DotF pick_float(int64_t qtype) {
   return qtype == F16 ? dot_float_ref<c10::Half> : dot_float_ref<c10::BFloat16>;
 }
 
+using AxpyRow = void (*)(float, const void*, float*, int64_t);
+using AxpyGroup = void (*)(const float*, const void* const*, float*, int64_t);
+
+// The axpy of one row (direct, no row buffer) and of AXPY_GROUP rows for a type; null where the
+// compiled code has none (the row then goes through dequant_row, or the caller declines).
+void pick_axpy(int64_t qtype, AxpyRow& direct, AxpyGroup& group) {
+  direct = nullptr;
+  group = nullptr;
+#ifdef HS_X86
+  if (!cpu_has_avx2()) return;
+  switch (qtype) {
+    case F16: direct = axpy_f16_avx2; group = cpu_has_avx512() ? axpy_group_f16_avx512 : axpy_group_f16_avx2; break;
+    case BF16: direct = axpy_bf16_avx2; break;
+    case Q8_0: direct = axpy_q8_0_avx2; group = axpy_group_q8_0_avx2; break;
+    case Q4_0: direct = axpy_q4_0_avx2; group = axpy_group_q4_0_avx2; break;
+    case Q5_0: direct = axpy_q5_0_avx2; group = axpy_group_q5_0_avx2; break;
+  }
+#else
+  (void)qtype;
+#endif
+}
+
 // How far ahead of the row being computed its thread prefetches (4 rows of a small model, at most
 // 4 KiB): keeps loads in flight while the core does the (two-plane) integer arithmetic, without
 // pulling in so much that large rows (10-16 KiB) evict themselves from L1 before use.
@@ -325,23 +347,9 @@ at::Tensor sparse_axpy_cpu(const at::Tensor& w, int64_t qtype, const at::Tensor&
   const float* hp = h.data_ptr<float>();
   const int n_threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), M));
   std::vector<float> partial(static_cast<size_t>(n_threads) * T * K, 0.f);
-  using AxpyRow = void (*)(float, const void*, float*, int64_t);
-  using AxpyGroup = void (*)(const float*, const void* const*, float*, int64_t);
-  AxpyRow direct = nullptr;  // y += s * row straight from the stored format (AVX2), else via a row buffer
-  AxpyGroup group = nullptr;  // y += sum of AXPY_GROUP rows, one pass over y
-#ifdef HS_X86
-  if (cpu_has_avx2()) {
-    switch (qtype) {
-      case F16: direct = axpy_f16_avx2; group = cpu_has_avx512() ? axpy_group_f16_avx512 : axpy_group_f16_avx2; break;
-      case BF16: direct = axpy_bf16_avx2; break;
-      case Q8_0: direct = axpy_q8_0_avx2; group = axpy_group_q8_0_avx2; break;
-      case Q4_0: direct = axpy_q4_0_avx2; group = axpy_group_q4_0_avx2; break;
-      case Q5_0: direct = axpy_q5_0_avx2; group = axpy_group_q5_0_avx2; break;
-    }
-  }
-#else
-  constexpr int AXPY_GROUP = 4;
-#endif
+  AxpyRow direct;  // y += s * row straight from the stored format (AVX2), else via a row buffer
+  AxpyGroup group;  // y += sum of AXPY_GROUP rows, one pass over y
+  pick_axpy(qtype, direct, group);
   const int pf = prefetch_mode();
   at::parallel_for(0, n_threads, 1, [&](int64_t tb, int64_t te) {
     std::vector<float> row(direct ? 0 : K);
@@ -438,17 +446,10 @@ bool sparse_ffn_fused_cpu(const at::Tensor& x, const at::Tensor& up, int64_t up_
   const bool gated = gate.has_value() && gate->defined();
   if (gated && gate_type != up_type) return false;
   if (up_type != F16 && up_type != Q8_0 && up_type != Q4_0 && up_type != Q5_0) return false;
-  using AxpyRow = void (*)(float, const void*, float*, int64_t);
-  using AxpyGroup = void (*)(const float*, const void* const*, float*, int64_t);
-  AxpyRow direct = nullptr;
-  AxpyGroup group = nullptr;
-  switch (down_type) {
-    case F16: direct = axpy_f16_avx2; group = cpu_has_avx512() ? axpy_group_f16_avx512 : axpy_group_f16_avx2; break;
-    case Q8_0: direct = axpy_q8_0_avx2; group = axpy_group_q8_0_avx2; break;
-    case Q4_0: direct = axpy_q4_0_avx2; group = axpy_group_q4_0_avx2; break;
-    case Q5_0: direct = axpy_q5_0_avx2; group = axpy_group_q5_0_avx2; break;
-    default: return false;
-  }
+  AxpyRow direct;
+  AxpyGroup group;
+  pick_axpy(down_type, direct, group);
+  if (!group) return false;
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(), "sparse_ffn: x must be contiguous float32");
   const int64_t K = x.size(1);
   check_weight(up, up_type, K, "sparse_ffn");

@@ -346,13 +346,13 @@ class _GpuMemoryPoller:
     def __init__(self, index: int = 0):
         import threading
         from .nvml import device_used_bytes
+        self.used = device_used_bytes
         self.index, self.peak, self.stop = index, 0, threading.Event()
         self.ok = device_used_bytes(index) is not None
         self.thread = threading.Thread(target=self._loop, daemon=True)
 
     def read(self) -> int:
-        from .nvml import device_used_bytes
-        return device_used_bytes(self.index) or 0
+        return self.used(self.index) or 0
 
     def _loop(self):
         while not self.stop.is_set():

@@ -144,9 +144,8 @@ class HybridFFN:
         """Whether the cold part runs as a host node: on CUDA, for the weight types the compiled CPU
         FFN reads (others go through the twins, on the Python thread), not for the oracle."""
         w = self.full
-        return (self.mode != "oracle" and kernels.host_nodes_available() and w.up.qtype in kernels.CPU_QTYPES
-                and (w.gate is None or w.gate.qtype in kernels.CPU_QTYPES)
-                and self.down_t.qtype in kernels.CPU_AXPY_QTYPES)
+        return (self.mode != "oracle" and kernels.host_nodes_available()
+                and kernels.cpu_ffn_reads(w.up.qtype, None if w.gate is None else w.gate.qtype, self.down_t.qtype))
 
     @property
     def gpu_bytes(self) -> int:

@@ -409,6 +409,12 @@ def sparse_ffn_reference(x, up, up_type, gate, gate_type, down_t, down_type, idx
     return axpy(down_t, down_type, h, idx), h
 
 
+def cpu_ffn_reads(up_type, gate_type, down_type) -> bool:
+    """Whether the compiled CPU sparse FFN reads these weight types (gate_type None: no gate)."""
+    rows = {Q(up_type)} | (set() if gate_type is None else {Q(gate_type)})
+    return rows <= CPU_QTYPES and Q(down_type) in CPU_AXPY_QTYPES
+
+
 def sparse_ffn(x, up, up_type, gate, gate_type, down_t, down_type, idx, up_bias=None, activation="relu",
                act_on_up=False):
     """The FFN over the neurons idx (None: all): (y [T, d_model], h [T, |idx|])."""
@@ -416,8 +422,7 @@ def sparse_ffn(x, up, up_type, gate, gate_type, down_t, down_type, idx, up_bias=
     if gate is not None:
         validate_matmul(gate, gate_type, x, "sparse_ffn")
     _check_index(idx, up.shape[0], "sparse_ffn")
-    row_types = {up_type} | ({gate_type} if gate is not None else set())
-    if use_cpu_op(x) and down_type in CPU_AXPY_QTYPES and row_types <= CPU_QTYPES:
+    if use_cpu_op(x) and cpu_ffn_reads(up_type, None if gate is None else gate_type, down_type):
         return cpu.sparse_ffn(x, up, int(up_type), gate, int(gate_type) if gate is not None else 0, down_t,
                               int(down_type), None if idx is None else idx.contiguous(), up_bias,
                               ACTIVATION_IDS[activation], act_on_up)
@@ -451,9 +456,9 @@ def cold_ffn_task(x, mask, ids, y, up, up_type, gate, gate_type, down_t, down_ty
     if not ids.is_contiguous() or ids.is_cuda:
         raise ValueError(f"{op}: ids must be a contiguous CPU vector")
     _check_index(ids, up.shape[0], op)
-    types = {Q(up_type)} | ({Q(gate_type)} if gate is not None else set())
-    if not types <= CPU_QTYPES or Q(down_type) not in CPU_AXPY_QTYPES:
-        raise ValueError(f"{op}: weight types {sorted(t.name for t in types)} / {Q(down_type).name} are not ones the "
+    if not cpu_ffn_reads(up_type, None if gate is None else gate_type, down_type):
+        types = [Q(up_type).name] + ([] if gate is None else [Q(gate_type).name])
+        raise ValueError(f"{op}: weight types {sorted(set(types))} / {Q(down_type).name} are not ones the "
                          "compiled CPU FFN reads")
     validate_matmul(up, up_type, x, op)
     if gate is not None:
