@@ -122,6 +122,7 @@ class HybridFFN:
         self._cold_on: dict[torch.device, torch.Tensor] = {torch.device("cpu"): self.cold_ids.long()}
         self._hot_on: dict[torch.device, torch.Tensor] = {}
         self._pinned: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._bias_on: dict[torch.device, torch.Tensor] = {}
         self._event = None
         self._task = None  # the cold FFN as a host node task (decode on CUDA), made on first use
         if self.n_hot:
@@ -218,7 +219,7 @@ class HybridFFN:
         if y is None:
             y = x.new_zeros(x.shape[0], self.down_t.in_features)
         if self.full.down_bias is not None:
-            y = y + self.full.down_bias.to(dev)
+            y = y + self._down_bias(dev)
         return y
 
     def _decode_host_node(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -245,8 +246,15 @@ class HybridFFN:
         main.wait_stream(side)
         y = t["yd"] + (0 if y is None else y)
         if self.full.down_bias is not None:
-            y = y + self.full.down_bias.to(dev)
+            y = y + self._down_bias(dev)
         return y
+
+    def _down_bias(self, dev: torch.device) -> torch.Tensor:
+        """The down projection's bias on `dev`, copied once (a copy from pageable memory cannot be
+        captured in a CUDA graph)."""
+        if dev not in self._bias_on:
+            self._bias_on[dev] = self.full.down_bias.to(dev)
+        return self._bias_on[dev]
 
     def _host_task(self, dev: torch.device) -> dict:
         if self._task is None:

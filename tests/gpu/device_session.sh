@@ -24,7 +24,8 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 
 STAGES=",${HS_STAGES:-tests,small},"
 if [[ $STAGES == *,htests,* ]]; then  # the hybrid runtime's GPU tests and the CPU ops they stand on
-  python3 -m pytest -q -s tests/gpu/test_hybrid_cuda.py tests/gpu/test_pipeline_cuda.py tests/test_sparse_ops.py 2>&1 | tee "$OUT/pytest-hybrid.txt" | tail -15
+  timeout ${HS_TEST_TIMEOUT:-300} python3 -m pytest -q --tb=short -rf tests/gpu/test_hybrid_cuda.py tests/gpu/test_pipeline_cuda.py tests/test_sparse_ops.py 2>&1 \
+    | tee "$OUT/pytest-hybrid.txt" | tail -25
 fi
 if [[ $STAGES == *,tests,* ]]; then
   python3 -m pytest -q tests/gpu tests/test_sparse_ops.py tests/test_quants.py tests/test_architectures.py tests/test_hybrid.py 2>&1 \
