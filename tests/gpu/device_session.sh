@@ -9,6 +9,7 @@
 #   hybrid: hs-bench hybrid on it: hybrid vs layer split at 4/8/11/24 GiB vs CPU only, peak memory
 #   hprof: a hybrid step at HS_PROFILE_BUDGET GiB as graphs / host nodes / events, host time per part
 #   (runs before hybrid)
+#   hvar: the graphed step at HS_PROFILE_BUDGET under each of HS_VARIANTS (env settings, ';'-separated)
 #   One 10-minute call fits HS_STAGES=synth13,hybrid,hprof after a build (~5 min with -n 16).
 set -uo pipefail
 OUT=${OUT:-gpu-results}
@@ -24,7 +25,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 
 STAGES=",${HS_STAGES:-tests,small},"
 if [[ $STAGES == *,htests,* ]]; then  # the hybrid runtime's GPU tests and the CPU ops they stand on
-  timeout ${HS_TEST_TIMEOUT:-300} python3 -m pytest -q --tb=short -rf tests/gpu/test_hybrid_cuda.py tests/gpu/test_pipeline_cuda.py tests/test_sparse_ops.py 2>&1 \
+  timeout ${HS_TEST_TIMEOUT:-300} python3 -m pytest -q --tb=short -rf ${HS_TEST_ARGS:-tests/gpu/test_hybrid_cuda.py tests/gpu/test_pipeline_cuda.py tests/test_sparse_ops.py} 2>&1 \
     | tee "$OUT/pytest-hybrid.txt" | tail -25
 fi
 if [[ $STAGES == *,tests,* ]]; then
@@ -77,6 +78,14 @@ fi
 if [[ $STAGES == *,hprof,* ]]; then
 HS_HYBRID_TIMING=1 timeout 150 python3 tests/gpu/profile_hybrid.py /dev/shm/llama-13b-f16.gguf ${HS_PROFILE_BUDGET:-11} 2>&1 \
   | grep -v "^hybrid:\|placing layers" | head -60 | tee "$OUT/profile_hybrid.txt"
+fi
+if [[ $STAGES == *,hvar,* ]]; then  # the graphed step under OpenMP/thread variants, side by side
+IFS=';' read -ra variants <<< "${HS_VARIANTS:-HS_THREADS=16;OMP_WAIT_POLICY=active;OMP_PROC_BIND=close OMP_PLACES=cores;HS_THREADS=15 OMP_WAIT_POLICY=active}"
+for v in "${variants[@]}"; do
+  echo "== $v" | tee -a "$OUT/profile_variants.txt"
+  env $v HS_PROFILE_MODES=${HS_PROFILE_MODES:-graphs} timeout 90 python3 tests/gpu/profile_hybrid.py /dev/shm/llama-13b-f16.gguf \
+    ${HS_PROFILE_BUDGET:-11} 2>&1 | grep "per token" | tee -a "$OUT/profile_variants.txt"
+done
 fi
 if [[ $STAGES == *,hybrid,* ]]; then
 hs-bench hybrid -m /dev/shm/llama-13b-f16.gguf --mode sampled -t 16 -n ${HS_N:-24} --budgets ${HS_BUDGETS:-4,8,11,24} \

@@ -3,7 +3,8 @@
   - host nodes: the same queued op by op (no graph),
   - events: the event-synchronised path (HS_HOST_NODES=0), with host time per part (HS_HYBRID_TIMING),
   - graphs with the CPU FFN unfused (HS_FUSED_FFN=0: row-dots, activation and axpy as three passes),
-and torch's profile of two eager steps.
+and torch's profile of two eager steps. HS_PROFILE_MODES=graphs (a comma list of graphs, unfused, eager,
+events) runs only those and skips torch's profile; HS_THREADS sets the thread count (default 16).
   HS_HYBRID_TIMING=1 python tests/gpu/profile_hybrid.py MODEL BUDGET_GIB [MODE] [N]"""
 
 import os
@@ -20,7 +21,7 @@ from hybridsparse.runtime.loader import open_model
 model, budget = sys.argv[1], float(sys.argv[2])
 mode = sys.argv[3] if len(sys.argv) > 3 else "sampled"
 n = int(sys.argv[4]) if len(sys.argv) > 4 else 16
-torch.set_num_threads(16)
+torch.set_num_threads(int(os.environ.get("HS_THREADS", "16")))
 lm = open_model(model, hybrid=HybridOptions(vram_budget=budget, mode=mode, n_ctx=512), log_line=print)
 m = lm.model
 sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
@@ -45,10 +46,13 @@ def decode(use_graphs: bool, host_nodes: bool) -> float:
         return (time.perf_counter() - t) / n
 
 
-for label, graphs, nodes, fused in (("graphs + host nodes", True, True, "1"),
-                                    ("the same, HS_FUSED_FFN=0", True, True, "0"),
-                                    ("host nodes, no graph", False, True, "1"),
-                                    ("events (HS_HOST_NODES=0)", False, False, "1")):
+modes = os.environ.get("HS_PROFILE_MODES", "graphs,unfused,eager,events").split(",")
+for key, label, graphs, nodes, fused in (("graphs", "graphs + host nodes", True, True, "1"),
+                                         ("unfused", "the same, HS_FUSED_FFN=0", True, True, "0"),
+                                         ("eager", "host nodes, no graph", False, True, "1"),
+                                         ("events", "events (HS_HOST_NODES=0)", False, False, "1")):
+    if key not in modes:
+        continue
     os.environ["HS_FUSED_FFN"] = fused  # the compiled CPU FFN reads it per call
     dt = decode(graphs, nodes)
     print(f"{label:26s} {dt * 1e3:7.1f} ms per token ({1 / dt:6.2f} tok/s)")
@@ -56,6 +60,8 @@ if hybrid.TIMING:
     print("host time per token by part (events path):")
     for k, v in sorted(hybrid.TIMING.items(), key=lambda kv: -kv[1]):
         print(f"  {k:14s} {v / n * 1e3:8.2f} ms")
+if "HS_PROFILE_MODES" in os.environ:
+    sys.exit(0)
 kernels.HOST_NODES = True
 cache = m.new_cache(128)
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
