@@ -17,7 +17,10 @@ import gguf
 import numpy as np
 import torch
 
+from gguf import GGMLQuantizationType as Q
+
 from .errors import ModelError
+from .gguf_writer import add_metadata, as_written
 
 Transform = Callable[[torch.Tensor], torch.Tensor]
 
@@ -95,7 +98,19 @@ def _gemma3_meta(cfg) -> dict:
             "attention.head_count": cfg.num_attention_heads, "attention.head_count_kv": cfg.num_key_value_heads,
             "attention.key_length": cfg.head_dim, "attention.value_length": cfg.head_dim,
             "attention.layer_norm_rms_epsilon": float(cfg.rms_norm_eps),
-            "rope.freq_base": float(_rope_theta(cfg)), "attention.sliding_window": cfg.sliding_window}
+            "rope.freq_base": float(_rope_theta(cfg)), "attention.sliding_window": cfg.sliding_window,
+            **_sliding_pattern(cfg)}
+
+
+def _sliding_pattern(cfg) -> dict:
+    """Gemma 3's interleaving (every n-th layer global) from HF's layer_types, as the period n."""
+    kinds = getattr(cfg, "layer_types", None)
+    if not kinds or "full_attention" not in kinds:
+        return {}
+    n = kinds.index("full_attention") + 1
+    if any((i % n == n - 1) != (k == "full_attention") for i, k in enumerate(kinds)):
+        raise ModelError(f"gemma3: config.json layer_types {kinds} is not a sliding/global pattern with one period")
+    return {"attention.sliding_window_pattern": n}
 
 
 def _plus_one(w: torch.Tensor) -> torch.Tensor:
@@ -212,48 +227,75 @@ ARCHS = {  # HF model_type -> (GGUF arch, metadata, tensor rules)
 }
 
 
-def gguf_tensors(cfg, tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Rename and transform HF tensors into GGUF ones, lazily."""
-    model_type = cfg.model_type
+def _rules(cfg) -> tuple[str, list]:
+    model_type = getattr(cfg, "model_type", None)
     if model_type not in ARCHS:
-        raise ModelError(f"unknown architecture {model_type!r} (supported: {', '.join(sorted(ARCHS))})")
+        raise ModelError(f"config.json: model_type {model_type!r} is not supported (supported: {', '.join(sorted(ARCHS))})")
     arch, _, rules_fn = ARCHS[model_type]
-    rules = [(re.compile(pat + "$"), name, fn) for pat, name, fn in rules_fn(cfg, arch)]
+    return arch, [(re.compile(pat + "$"), name, fn) for pat, name, fn in rules_fn(cfg, arch)]
+
+
+_IGNORED = re.compile(r".*(rotary_emb\.inv_freq|\.attn\.masked_bias|\.attn\.bias)$")  # buffers, not weights
+_DOWN = re.compile(r"blk\.(\d+)\.ffn_down\.(weight|bias)$")
+
+
+def _map_name(cfg, rules, hf_name: str, powerinfer: bool) -> tuple[str, Transform | None] | None:
+    """HF tensor name -> (GGUF name, transform), None for tensors GGUF does not keep."""
+    for pat, name, fn in rules:
+        m = pat.match(hf_name)
+        if m:
+            if name is None:
+                return None
+            name = name.format(*m.groups())
+            d = _DOWN.match(name)
+            if powerinfer and d:  # PowerInfer stores W_down transposed: row i = neuron i's output
+                name = f"blk.{d.group(1)}.ffn_down_t.{d.group(2)}"
+                if d.group(2) == "weight":
+                    fn = (lambda w, f=fn: (f(w) if f else w).T.contiguous())
+            return name, fn
+    if _IGNORED.match(hf_name):
+        return None
+    raise ModelError(f"{cfg.model_type}: no GGUF name for tensor {hf_name}")
+
+
+def gguf_tensors(cfg, tensors: Iterable[tuple[str, torch.Tensor]], powerinfer: bool = False
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Rename and transform HF tensors into GGUF ones, lazily."""
+    _, rules = _rules(cfg)
     for hf_name, tensor in tensors:
-        for pat, name, fn in rules:
-            m = pat.match(hf_name)
-            if m:
-                if name is not None:
-                    yield name.format(*m.groups()), (fn(tensor) if fn else tensor)
-                break
-        else:
-            raise ModelError(f"{model_type}: no GGUF name for tensor {hf_name}")
+        mapped = _map_name(cfg, rules, hf_name, powerinfer)
+        if mapped is not None:
+            name, fn = mapped
+            yield name, (fn(tensor) if fn else tensor)
+
+
+def _metadata_fn(cfg, arch: str, extra: dict):
+    _, meta_fn, _ = ARCHS[cfg.model_type]
+
+    def add(writer):
+        for key, value in {**meta_fn(cfg), **extra}.items():
+            full = key if key.startswith(("hybridsparse.", "powerinfer.", "general.", "tokenizer.")) else f"{arch}.{key}"
+            if key == "powerinfer.sparse_threshold":
+                writer.add_float32(full, float(value))
+            else:
+                add_metadata(writer, full, value)
+    return add
 
 
 def write_gguf(path: str | os.PathLike, cfg, tensors: Iterable[tuple[str, torch.Tensor]],
                dtype: str = "f32", extra_metadata: dict | None = None, powerinfer: bool = False) -> Path:
-    """Write a GGUF file (atomically: to a temporary name, renamed at the end)."""
-    arch, meta_fn, _ = ARCHS[cfg.model_type]
-    path = Path(path)
-    tmp = path.with_name(path.name + ".part")
-    writer = gguf.GGUFWriter(str(tmp), arch)
-    for key, value in {**meta_fn(cfg), **(extra_metadata or {})}.items():
-        full = key if key.startswith(("hybridsparse.", "powerinfer.", "general.", "tokenizer.")) else f"{arch}.{key}"
-        add_metadata(writer, full, value)
-    np_dtype = {"f32": np.float32, "f16": np.float16}[dtype]
-    for name, t in gguf_tensors(cfg, tensors):
+    """Write in-memory tensors (a state dict: tests, synthetic models) as GGUF, atomically. `dtype`
+    f32/f16 for the 2-D weights; 1-D tensors stay F32."""
+    from .gguf_writer import PlannedTensor, write_gguf_stream
+    arch, _ = _rules(cfg)
+    weight_type = {"f32": Q.F32, "f16": Q.F16}[dtype]
+    plan = []
+    for name, t in gguf_tensors(cfg, tensors, powerinfer=False):
         arr = t.detach().float().cpu().numpy()
-        keep_f32 = arr.ndim == 1 or dtype == "f32"
-        writer.add_tensor(name, arr.astype(np.float32 if keep_f32 else np_dtype))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    if powerinfer:
-        with open(tmp, "r+b") as fh:
-            fh.write(b"PWRI")
-    os.replace(tmp, path)
-    return path
+        qt = Q.F32 if arr.ndim == 1 else weight_type
+        plan.append(PlannedTensor(name, arr.shape, qt, (lambda a=arr, q=qt: as_written(a, q))))
+    return write_gguf_stream(path, arch, _metadata_fn(cfg, arch, extra_metadata or {}), plan,
+                             powerinfer=powerinfer, desc=False)
 
 
 def byte_level_vocab(n_vocab: int = 259) -> dict:
@@ -270,19 +312,247 @@ def byte_level_vocab(n_vocab: int = 259) -> dict:
             "tokenizer.ggml.add_bos_token": True}
 
 
-def add_metadata(writer: gguf.GGUFWriter, key: str, value) -> None:
-    """One metadata entry, its GGUF type chosen from the Python value (ints as u32)."""
-    if isinstance(value, np.ndarray):
-        value = value.tolist()
-    if isinstance(value, bool):
-        writer.add_bool(key, value)
-    elif isinstance(value, int):
-        writer.add_uint32(key, value)
-    elif isinstance(value, float):
-        writer.add_float32(key, value)
-    elif isinstance(value, str):
-        writer.add_string(key, value)
-    elif isinstance(value, (list, tuple)):
-        writer.add_array(key, list(value))
-    else:
-        raise TypeError(f"metadata {key}: cannot write {type(value).__name__}")
+# --- hs-convert: a Hugging Face folder to GGUF, streamed ----------------------------------------
+
+OUTTYPES = {"f32": Q.F32, "f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0, "q4_0": Q.Q4_0}
+
+
+class Checkpoint:
+    """The tensors of a Hugging Face folder by name, read one at a time: safetensors (one file or
+    shards listed in model.safetensors.index.json), else pytorch_model*.bin loaded with
+    weights_only=True and memory-mapped (no pickle code runs)."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        self.where: dict[str, Path] = {}
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        self._open: dict[Path, object] = {}
+        files = self._listed("model.safetensors.index.json") or sorted(folder.glob("*.safetensors"))
+        if files:
+            for f in files:
+                h = self._handle(f)
+                for name in h.keys():
+                    self.where[name] = f
+                    self.shapes[name] = tuple(h.get_slice(name).get_shape())
+        else:
+            files = self._listed("pytorch_model.bin.index.json") or sorted(folder.glob("pytorch_model*.bin"))
+            if not files:
+                raise ModelError(f"{folder}: no weights (expected *.safetensors or pytorch_model*.bin)")
+            for f in files:
+                for name, t in self._handle(f).items():
+                    self.where[name] = f
+                    self.shapes[name] = tuple(t.shape)
+        if self._index is not None:
+            for name, fname in self._index.items():
+                if self.where.get(name) != folder / fname:
+                    raise ModelError(f"{folder / fname}: tensor {name} listed in the index is not in this shard")
+
+    def _listed(self, index_name: str) -> list[Path]:
+        self._index = None
+        path = self.folder / index_name
+        if not path.is_file():
+            return []
+        import json
+        try:
+            self._index = json.loads(path.read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise ModelError(f"{path}: not a shard index (weight_map expected: {e})") from None
+        files = sorted({self.folder / f for f in self._index.values()})
+        for f in files:
+            if not f.is_file():
+                raise ModelError(f"{f}: shard listed in {index_name} is missing")
+        return files
+
+    def _handle(self, f: Path):
+        if f not in self._open:
+            try:
+                if f.suffix == ".safetensors":
+                    from safetensors import safe_open
+                    self._open[f] = safe_open(str(f), framework="pt")
+                else:
+                    self._open[f] = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
+            except Exception as e:  # truncated or not the format its name says
+                raise ModelError(f"{f}: not a readable checkpoint file ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+        return self._open[f]
+
+    def load(self, name: str) -> torch.Tensor:
+        f = self.where[name]
+        h = self._handle(f)
+        try:
+            return h.get_tensor(name) if f.suffix == ".safetensors" else h[name]
+        except Exception as e:
+            raise ModelError(f"{f}: tensor {name} cannot be read ({e})") from None
+
+
+def load_hf_config(folder: Path):
+    import transformers as tf
+    if not (folder / "config.json").is_file():
+        raise ModelError(f"{folder}: no config.json (expected a Hugging Face model folder)")
+    try:
+        cfg = tf.AutoConfig.from_pretrained(str(folder), local_files_only=True)
+    except (ValueError, KeyError, OSError) as e:
+        import json
+        try:
+            model_type = json.loads((folder / "config.json").read_text()).get("model_type")
+        except ValueError:
+            raise ModelError(f"{folder / 'config.json'}: not valid JSON") from None
+        raise ModelError(f"{folder / 'config.json'}: model_type {model_type!r} cannot be read "
+                         f"(supported: {', '.join(sorted(ARCHS))}): {str(e).splitlines()[0]}") from None
+    if cfg.model_type not in ARCHS:
+        raise ModelError(f"{folder / 'config.json'}: model_type {cfg.model_type!r} is not supported "
+                         f"(supported: {', '.join(sorted(ARCHS))})")
+    return cfg
+
+
+def _expected_shapes(cfg) -> dict[str, tuple[int, ...]]:
+    """The state dict transformers builds from this config (on the meta device: no memory)."""
+    import transformers as tf
+    with torch.device("meta"):
+        model = tf.AutoModelForCausalLM.from_config(cfg)
+    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+
+def convert_hf(src: str | Path, out: str | Path | None = None, outtype: str = "f16", *, powerinfer: bool = False,
+               predictors: str | Path | None = None, activation: str | Path | None = None, threads: int = 1,
+               pure: bool = False, log=print) -> Path:
+    """A Hugging Face folder (config.json + safetensors/bin + tokenizer files) to one GGUF file:
+    llama.cpp's names and metadata, or PowerInfer's layout; optionally PowerInfer predictors and
+    activation counts. Streamed tensor by tensor; written atomically."""
+    from .gguf_writer import PlannedTensor, write_gguf_stream
+    from .hf_vocab import tokenizer_metadata
+    from .quantize import FILE_TYPE, quantize_rows, tensor_type
+    src = Path(src)
+    if not src.is_dir():
+        raise ModelError(f"{src}: not a folder (expected a Hugging Face model folder)")
+    if outtype.lower() not in OUTTYPES:
+        raise ModelError(f"--outtype {outtype}: expected one of {', '.join(OUTTYPES)}")
+    qt = OUTTYPES[outtype.lower()]
+    out = Path(out) if out else src / f"{src.name}-{outtype.upper()}.gguf"
+    cfg = load_hf_config(src)
+    arch, rules = _rules(cfg)
+    ckpt = Checkpoint(src)
+    expected = _expected_shapes(cfg)
+    names = {}
+    for name in ckpt.shapes:
+        key = name if name in expected or f"model.{name}" not in expected else f"model.{name}"
+        names[key] = name
+        if key in expected and ckpt.shapes[name] != expected[key]:
+            raise ModelError(f"{ckpt.where[name]}: tensor {name} has shape {list(ckpt.shapes[name])}, "
+                             f"config.json implies {list(expected[key])}")
+    tied = getattr(cfg, "tie_word_embeddings", False)
+    missing = [k for k in expected if k not in names and not (tied and k == "lm_head.weight")]
+    if missing:
+        raise ModelError(f"{src}: {len(missing)} tensors missing from the checkpoint (first: {missing[0]}); "
+                         f"a shard may be absent or of another model")
+
+    weight_float = {Q.F32: Q.F32, Q.BF16: Q.BF16}.get(qt, Q.F16)
+    plan: list[PlannedTensor] = []
+    mapped = []
+    for key, name in names.items():
+        m = _map_name(cfg, rules, key, powerinfer)
+        if m is not None:
+            mapped.append((m[0], m[1], name))
+    has_output = any(g == "output.weight" for g, _, _ in mapped)
+    for gname, fn, name in mapped:
+        shape = tuple(fn(torch.empty(ckpt.shapes[name], device="meta")).shape) if fn else ckpt.shapes[name]
+        out_q = tensor_type(gname, shape, weight_float, qt, has_output=has_output, pure=pure)
+
+        def produce(name=name, fn=fn, out_q=out_q):
+            t = ckpt.load(name)
+            t = fn(t) if fn else t
+            return quantize_rows(t.float().numpy(), out_q, threads)
+        plan.append(PlannedTensor(gname, shape, out_q, produce))
+
+    extra = {"general.name": src.name, "general.file_type": FILE_TYPE[qt]}
+    if qt not in (Q.F32, Q.F16, Q.BF16):
+        extra["general.quantization_version"] = 2
+    extra.update(tokenizer_metadata(src, getattr(cfg, "vocab_size", None)))
+    n_layers, n_ff, d_model = cfg.num_hidden_layers, _ffn_width(cfg), cfg.hidden_size
+    if predictors is not None:
+        plan += _predictor_tensors(Path(predictors), n_layers, n_ff, d_model, weight_float, extra)
+    if activation is not None:
+        _check_activation(Path(activation), n_layers, n_ff)
+    write_gguf_stream(out, arch, _metadata_fn(cfg, arch, extra), plan, powerinfer=powerinfer,
+                      desc=f"converting to {qt.name}")
+    if activation is not None:
+        _copy_activation(Path(activation), out.with_name(out.stem + ".hs-profile"))
+    log(f"hs-convert: {out} ({arch}, {'PowerInfer' if powerinfer else 'llama.cpp'} layout, {qt.name}, "
+        f"{len(plan)} tensors, {out.stat().st_size / 2**20:.1f} MiB)")
+    return out
+
+
+def _ffn_width(cfg) -> int:
+    return int(_hp(cfg, "intermediate_size", "ffn_dim", "ffn_hidden_size", default=4 * cfg.hidden_size))
+
+
+def _predictor_tensors(folder: Path, n_layers: int, n_ff: int, d_model: int, qtype: Q, extra: dict) -> list:
+    from hybridsparse.predictor_training.train import load_powerinfer_dir
+
+    from .gguf_writer import PlannedTensor
+    layers, thresholds = load_powerinfer_dir(folder)
+    if len(layers) != n_layers:
+        raise ModelError(f"{folder}: {len(layers)} predictors (model_N.pt) for a model of {n_layers} layers")
+    plan = []
+    for i, (fc1, fc2) in enumerate(layers):
+        if fc1.dim() != 2 or fc2.dim() != 2 or fc1.shape[1] != d_model or fc2.shape != (n_ff, fc1.shape[0]):
+            raise ModelError(f"{folder / f'model_{i}.pt'}: fc1 {list(fc1.shape)} / fc2 {list(fc2.shape)}, expected "
+                             f"[r, {d_model}] / [{n_ff}, r]")
+        for name, w in ((f"blk.{i}.fc1.weight", fc1), (f"blk.{i}.fc2.weight", fc2)):
+            plan.append(PlannedTensor(name, tuple(w.shape), qtype, (lambda w=w: as_written(w.numpy(), qtype))))
+    extra["powerinfer.sparse_threshold"] = float(thresholds[0])
+    return plan
+
+
+def _check_activation(folder: Path, n_layers: int, n_ff: int) -> None:
+    from hybridsparse.profiler.activations import load_profile
+    prof = load_profile(folder)
+    if len(prof.counts) != n_layers:
+        raise ModelError(f"{folder}: activation counts for {len(prof.counts)} layers, the model has {n_layers}")
+    for i, c in enumerate(prof.counts):
+        if c.numel() != n_ff:
+            raise ModelError(f"{folder}: activation_{i}.pt has {c.numel()} counts, the model has {n_ff} neurons per layer")
+
+
+def _copy_activation(folder: Path, profile_dir: Path) -> None:
+    """PowerInfer's activation/ folder becomes the converted model's profile (<model>.hs-profile/activation)."""
+    import shutil
+
+    from hybridsparse.profiler.activations import activation_dir
+    src = activation_dir(folder)
+    tmp = profile_dir.with_name(profile_dir.name + ".part")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(src, tmp / "activation")
+    if profile_dir.exists():
+        shutil.rmtree(profile_dir)
+    tmp.replace(profile_dir)
+
+
+def build_parser():
+    import argparse
+    ap = argparse.ArgumentParser(prog="hs-convert", description="Convert a Hugging Face model folder to GGUF "
+                                 "(llama.cpp names and tokenizer metadata, or PowerInfer's layout).")
+    ap.add_argument("model", help="Hugging Face model folder (config.json, *.safetensors or pytorch_model*.bin, tokenizer files)")
+    ap.add_argument("-o", "--outfile", help="output GGUF (default: MODEL/<name>-<OUTTYPE>.gguf)")
+    ap.add_argument("--outtype", default="f16", choices=sorted(OUTTYPES), help="weight type (default f16)")
+    ap.add_argument("--powerinfer", action="store_true",
+                    help="PowerInfer layout: PWRI magic, ffn_down_t (W_down transposed), predictors inside")
+    ap.add_argument("--predictors", help="PowerInfer predictor folder (model_N.pt with fc1/fc2, config.json with sparse_threshold)")
+    ap.add_argument("--activation", help="PowerInfer activation folder (activation_N.pt), copied to <out>.hs-profile/")
+    ap.add_argument("--pure", action="store_true", help="quantized output: the output head at the same type too")
+    ap.add_argument("-t", "--threads", type=int, default=None, help="quantization threads (default: all cores)")
+    ap.add_argument("--verbose", action="store_true", help="tracebacks instead of one-line errors")
+    return ap
+
+
+def _run(args) -> int:
+    threads = args.threads if args.threads is not None else (os.cpu_count() or 1)
+    if threads < 1:
+        raise ModelError(f"-t {threads}: expected at least 1 thread")
+    convert_hf(args.model, args.outfile, args.outtype, powerinfer=args.powerinfer, predictors=args.predictors,
+               activation=args.activation, threads=threads, pure=args.pure)
+    return 0
+
+
+def main(argv=None) -> int:
+    from .cli import run_main
+    return run_main("hs-convert", _run, argv, build_parser())

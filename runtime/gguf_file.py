@@ -165,10 +165,15 @@ class GGUFFile:
             raise GGUFError(f"{self.path}: header claims {n_kv} metadata entries and {n_tensors} tensors, "
                             f"more than a {self.file_size}-byte file can hold")
         self.metadata: dict[str, object] = {}
+        self.metadata_types: dict[str, tuple[int, int | None]] = {}  # key -> (value type, array element type)
         for i in range(n_kv):
             key = cur.string(f"metadata key #{i}")
             vtype = cur.u32(f"type of {key}")
+            etype = None
+            if vtype == _ARRAY and cur.pos + 4 <= self.file_size:
+                etype = struct.unpack_from("<I", self._mm, cur.pos)[0]
             self.metadata[key] = cur.value(vtype, key)
+            self.metadata_types[key] = (vtype, etype)
 
         infos = []
         for i in range(n_tensors):

@@ -1,0 +1,132 @@
+"""Streaming, atomic GGUF writing (hs-convert, hs-quantize, test and synthetic models).
+
+The tensor table is written first from shapes and types alone; then each tensor is produced, written
+and dropped, one at a time, so no model is ever whole in memory. Everything goes to `<out>.part`,
+renamed over `<out>` only when the last byte is written: an error or Ctrl-C leaves no partial file.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import gguf
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q, GGUFValueType
+
+from .errors import GGUFError
+
+
+@dataclass
+class PlannedTensor:
+    name: str
+    shape: tuple[int, ...]  # numpy order: the last dimension is the contiguous row
+    qtype: Q
+    produce: Callable[[], np.ndarray]  # the data: float32/float16/int arrays, or uint8 blocks
+
+    @property
+    def nbytes(self) -> int:
+        return tensor_nbytes(self.shape, self.qtype)
+
+
+def tensor_nbytes(shape: tuple[int, ...], qtype: Q) -> int:
+    block, block_bytes = GGML_QUANT_SIZES[qtype]
+    n = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    return n // block * block_bytes
+
+
+_NUMPY_DTYPES = {Q.F32: np.float32, Q.F16: np.float16, Q.I8: np.int8, Q.I16: np.int16, Q.I32: np.int32,
+                 Q.I64: np.int64, Q.F64: np.float64}
+
+
+def as_written(arr: np.ndarray, qtype: Q) -> np.ndarray:
+    """Float data in the tensor's stored dtype (BF16 as its 16 high bits, rounded to nearest even)."""
+    if qtype == Q.BF16:
+        from gguf import quants
+        return quants.quantize(np.ascontiguousarray(arr, dtype=np.float32), Q.BF16)
+    if qtype in _NUMPY_DTYPES:
+        return np.ascontiguousarray(arr, dtype=_NUMPY_DTYPES[qtype])
+    return np.ascontiguousarray(arr)
+
+
+def add_metadata(writer: gguf.GGUFWriter, key: str, value) -> None:
+    """One metadata entry, its GGUF type chosen from the Python value (ints as u32)."""
+    if isinstance(value, np.ndarray):
+        value = value.tolist()
+    if isinstance(value, bool):
+        writer.add_bool(key, value)
+    elif isinstance(value, int):
+        writer.add_uint32(key, value)
+    elif isinstance(value, float):
+        writer.add_float32(key, value)
+    elif isinstance(value, str):
+        writer.add_string(key, value)
+    elif isinstance(value, (list, tuple)):
+        writer.add_array(key, list(value))
+    else:
+        raise TypeError(f"metadata {key}: cannot write {type(value).__name__}")
+
+
+def copy_metadata(writer: gguf.GGUFWriter, source, skip: Iterable[str] = ()) -> None:
+    """Every metadata entry of an open GGUFFile, with its original value types (u64 stays u64), except
+    `skip` and general.architecture (the writer's own); general.alignment becomes the writer's."""
+    skip = set(skip) | {"general.architecture"}
+    for key, value in source.metadata.items():
+        if key in skip:
+            continue
+        if key == "general.alignment":
+            writer.add_custom_alignment(int(value))
+            continue
+        vtype, etype = source.metadata_types[key]
+        if isinstance(value, np.ndarray):
+            value = value.tolist()
+        elif isinstance(value, np.generic):
+            value = value.item()
+        writer.add_key_value(key, value, GGUFValueType(vtype), None if etype is None else GGUFValueType(etype))
+
+
+def write_gguf_stream(path: str | os.PathLike, arch: str, metadata: Callable[[gguf.GGUFWriter], None],
+                      tensors: list[PlannedTensor], powerinfer: bool = False, desc: str | None = None) -> Path:
+    """Write `tensors` (in order) after the metadata that `metadata(writer)` adds; PowerInfer's `PWRI`
+    magic if asked. Atomic: `<path>.part` is renamed at the end and removed on any error."""
+    from tqdm import tqdm
+    path = Path(path)
+    tmp = path.with_name(path.name + ".part")
+    names = set()
+    for t in tensors:
+        if t.name in names:
+            raise GGUFError(f"{path}: tensor {t.name} would be written twice")
+        names.add(t.name)
+    try:
+        writer = gguf.GGUFWriter(str(tmp), arch)
+        metadata(writer)
+        for t in tensors:
+            writer.add_tensor_info(t.name, t.shape, np.dtype(np.float32), t.nbytes, raw_dtype=t.qtype)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        total = sum(t.nbytes for t in tensors)
+        with tqdm(total=total, unit="B", unit_scale=True, desc=desc or path.name, disable=desc is False,
+                  leave=False) as bar:
+            for t in tensors:
+                arr = np.ascontiguousarray(t.produce())
+                if arr.nbytes != t.nbytes:
+                    raise GGUFError(f"{path}: tensor {t.name}: produced {arr.nbytes} bytes, expected {t.nbytes} "
+                                    f"for {t.qtype.name} {list(t.shape)}")
+                writer.write_tensor_data(arr)
+                bar.update(arr.nbytes)
+                del arr
+        writer.close()
+        if powerinfer:
+            with open(tmp, "r+b") as fh:
+                fh.write(b"PWRI")
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            tmp.unlink()
+        except FileNotFoundError:
+            pass
+        raise
+    return path
