@@ -5,9 +5,13 @@ MODEL ?=
 ARGS ?=
 TOKENS ?= 50000
 VRAM ?= 11
+HF ?=
+OUTTYPE ?= f16
+OUT ?=
+TYPE ?= Q4_0
 model_flag = $(if $(MODEL),-m $(MODEL),)
 
-.PHONY: install demo run test test-gpu bench profile train-predictor solve relu-model clean
+.PHONY: install demo run test test-gpu bench profile train-predictor solve relu-model convert quantize perplexity clean
 
 install:  ## install the package (editable) and build the compiled kernels
 	$(PIP) install -e '.[test]'
@@ -34,6 +38,15 @@ profile:  ## make profile MODEL=path.gguf [TOKENS=50000]: activation counts + pl
 train-predictor:  ## make train-predictor MODEL=path.gguf: profile with samples, then train the predictors
 	hs-profile $(model_flag) --tokens $(TOKENS) --samples $(TOKENS) $(ARGS)
 	hs-train-predictor $(model_flag)
+
+convert:  ## make convert HF=hf_folder [OUTTYPE=f16] [ARGS="--powerinfer --predictors DIR"]: Hugging Face -> GGUF
+	hs-convert $(HF) --outtype $(OUTTYPE) $(ARGS)
+
+quantize:  ## make quantize MODEL=in.gguf OUT=out.gguf TYPE=Q4_0
+	hs-quantize $(MODEL) $(OUT) $(TYPE) $(ARGS)
+
+perplexity:  ## make perplexity MODEL=path.gguf [ARGS="-f text.txt -c 512"]
+	hs-perplexity $(model_flag) $(ARGS)
 
 solve:  ## make solve MODEL=path.gguf [VRAM=11]: place neurons under the VRAM budget, write the GPU index
 	hs-solve $(model_flag) --vram-budget $(VRAM) $(ARGS)

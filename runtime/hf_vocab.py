@@ -48,7 +48,27 @@ def tokenizer_metadata(folder: Path, n_vocab: int | None) -> dict:
         if "tokenizer.ggml.scores" in meta:
             meta["tokenizer.ggml.scores"].append(-1000.0)
     meta.update(_special(folder, len(tokens)))
+    _special_by_text(folder, meta)
     return meta
+
+
+def _special_by_text(folder: Path, meta: dict) -> None:
+    """Special ids SpecialVocab could not resolve (it maps names to ids through tokenizer.json or
+    config.json): tokenizer_config.json's bos_token etc. looked up in the vocabulary itself."""
+    cfg = _json(folder / "tokenizer_config.json") if (folder / "tokenizer_config.json").is_file() else {}
+    index = None
+    for kind, ggml in (("bos", "bos"), ("eos", "eos"), ("unk", "unknown"), ("pad", "padding")):
+        key = f"tokenizer.ggml.{ggml}_token_id"
+        text = cfg.get(f"{kind}_token")
+        text = text.get("content") if isinstance(text, dict) else text
+        if key in meta or not isinstance(text, str):
+            continue
+        if index is None:
+            index = {t: i for i, t in enumerate(meta["tokenizer.ggml.tokens"])}
+        if text in index:
+            meta[key] = index[text]
+    if "add_bos_token" in cfg and "tokenizer.ggml.add_bos_token" not in meta:
+        meta["tokenizer.ggml.add_bos_token"] = bool(cfg["add_bos_token"])
 
 
 def _sentencepiece(path: Path, n_vocab: int | None) -> dict:
@@ -168,7 +188,8 @@ def _gpt2_files(folder: Path) -> dict:
 def _special(folder: Path, n_vocab: int) -> dict:
     logging.getLogger("gguf.vocab").setLevel(logging.ERROR)
     sv = gguf.SpecialVocab(folder, load_merges=False, n_vocab=n_vocab)
-    meta = {f"tokenizer.ggml.{kind}_token_id": int(idx) for kind, idx in sv.special_token_ids.items()}
+    names = {"unk": "unknown", "sep": "seperator", "pad": "padding"}  # llama.cpp's key names (sic)
+    meta = {f"tokenizer.ggml.{names.get(kind, kind)}_token_id": int(idx) for kind, idx in sv.special_token_ids.items()}
     meta.update({f"tokenizer.ggml.add_{kind}_token": bool(v) for kind, v in sv.add_special_token.items()})
     template = sv.chat_template
     if isinstance(template, list):  # named templates: llama.cpp's default one

@@ -9,16 +9,16 @@ import numpy as np
 import torch
 
 from hybridsparse.predictor_training import train as T
-from hybridsparse.predictor_training.relu_model import make_relu_model
 from hybridsparse.profiler import profile as P
 from hybridsparse.profiler.activations import load_profile
 from hybridsparse.solver import cli as S
 from hybridsparse.solver.gpuidx import read_index
 
 
-def test_trained_relu_model_through_profile_predictors_and_placement(tmp_path):
+def test_trained_relu_model_through_profile_predictors_and_placement(trained_relu):
     torch.set_num_threads(2)
-    model = make_relu_model(tmp_path / "relu.gguf", steps=150, d_model=128, n_layers=2, n_ff=512, log=lambda *a: None)
+    model = trained_relu
+    tmp_path = model.parent
     prof = tmp_path / "relu.hs-profile"
     assert P.main(["-m", str(model), "--tokens", "20000", "--samples", "20000", "-ngl", "0", "--plot"]) == 0
     counts = load_profile(prof)
