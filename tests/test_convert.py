@@ -268,3 +268,23 @@ def test_write_is_atomic_when_a_tensor_fails(tmp_path):
     with pytest.raises(RuntimeError):
         write_gguf_stream(out, "llama", lambda w: None, plan, desc=False)
     assert out.read_bytes() == b"old contents" and not list(tmp_path.glob("*.part"))
+
+
+@pytest.mark.parametrize("name", ["llama-swiglu", "llama-tied-mha", "qwen2", "falcon-7b-gelu"])
+def test_converted_files_run_in_llama_cpp(name, tmp_path, bpe_tokenizer, corpus, monkeypatch):
+    """The converted file is a llama.cpp model (architectures llama.cpp has, with its own activations):
+    llama.cpp's logits equal transformers', its tokenizer gives the same ids. Runs where
+    llama-cpp-python is installed (it builds llama.cpp from source: not in CI)."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    src = tmp_path / "hf"
+    ref = hf_folder(name, src, bpe_tokenizer, monkeypatch)
+    out = tmp_path / "m.gguf"
+    assert convert.main([str(src), "-o", str(out), "--outtype", "f32"]) == 0
+    llm = llama_cpp.Llama(str(out), n_ctx=32, logits_all=True, verbose=False, n_threads=2)
+    llm.eval(IDS.tolist())
+    got = torch.from_numpy(np.array(llm.scores[: len(IDS)], dtype=np.float32))
+    with torch.no_grad():
+        want = ref(IDS.unsqueeze(0)).logits[0].float()
+    assert (got - want).abs().max() <= 1e-3 * want.abs().max()
+    for text in corpus[1][:3]:
+        assert llm.tokenize(text.encode(), add_bos=False) == bpe_tokenizer.encode(text, add_special_tokens=False)
