@@ -1,0 +1,193 @@
+"""hs-serve against a live server on loopback (uvicorn in a thread): the official `openai` client for
+chat, completions, streaming, stop, n, seed reproducibility and logprobs; raw HTTP for every error case;
+a client that disconnects mid-stream frees its slot; /metrics counts move."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+import openai  # noqa: E402
+
+from hybridsparse.runtime import server as S  # noqa: E402
+from tiny_models import tiny_llama  # noqa: E402
+
+KEY = "sk-test"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory):
+    import uvicorn
+
+    from hybridsparse.runtime.loader import open_model
+    path = tiny_llama(tmp_path_factory.mktemp("srv") / "tiny.gguf")
+    args = S.build_parser().parse_args(["-m", str(path), "-np", "2", "-c", "128", "--api-key", KEY, "--alias", "tiny",
+                                        "-t", "1", "--no-graphs"])
+    app = S.create_app(args, lambda: open_model(path, 0))
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+    for _ in range(200):
+        try:
+            if httpx.get(base + "/health").status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    yield base
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+@pytest.fixture
+def client(live):
+    return openai.OpenAI(base_url=live + "/v1", api_key=KEY, max_retries=0)
+
+
+def test_models_and_chat(client):
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hello"}], max_tokens=8,
+                                       temperature=0)
+    assert r.choices[0].message.role == "assistant" and r.choices[0].finish_reason in ("length", "stop")
+    assert r.usage.completion_tokens <= 8 and r.usage.prompt_tokens > 0
+    again = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hello"}], max_tokens=8,
+                                           temperature=0)
+    assert again.choices[0].message.content == r.choices[0].message.content  # greedy is deterministic
+
+
+def test_seed_n_and_logprobs(client):
+    kw = dict(model="tiny", messages=[{"role": "user", "content": "a story"}], max_tokens=12, temperature=1.0, seed=7)
+    a = client.chat.completions.create(n=3, **kw)
+    b = client.chat.completions.create(n=3, **kw)
+    assert [c.message.content for c in a.choices] == [c.message.content for c in b.choices]
+    assert len({c.message.content for c in a.choices}) > 1  # n choices are different draws
+    r = client.chat.completions.create(logprobs=True, top_logprobs=3, **kw)
+    lp = r.choices[0].logprobs.content
+    assert len(lp) == r.usage.completion_tokens and all(len(t.top_logprobs) == 3 and t.logprob <= 0 for t in lp)
+
+
+def test_streaming_and_stop(client):
+    chunks = list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                                 max_tokens=10, temperature=0, stream=True,
+                                                 stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    full = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=10,
+                                          temperature=0)
+    assert text == full.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == full.choices[0].finish_reason
+    if len(text) > 3:
+        stop = text[2:4]
+        r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=10,
+                                           temperature=0, stop=[stop])
+        assert r.choices[0].finish_reason == "stop" and stop not in r.choices[0].message.content
+
+
+def test_completions_prompt_forms_echo_and_logprobs(client):
+    r = client.completions.create(model="tiny", prompt="The", max_tokens=5, temperature=0)
+    ids = httpx.post(str(client.base_url).replace("/v1/", "/tokenize"), json={"content": "The", "add_special": True},
+                     headers={"Authorization": f"Bearer {KEY}"}).json()["tokens"]
+    by_ids = client.completions.create(model="tiny", prompt=ids, max_tokens=5, temperature=0)
+    assert by_ids.choices[0].text == r.choices[0].text
+    multi = client.completions.create(model="tiny", prompt=["The", "A"], max_tokens=3, temperature=0)
+    assert len(multi.choices) == 2 and multi.choices[0].text == r.choices[0].text[: len(multi.choices[0].text)]
+    e = client.completions.create(model="tiny", prompt="The cat", max_tokens=0, echo=True, logprobs=2)
+    lp = e.choices[0].logprobs
+    assert e.choices[0].text.endswith("The cat") and lp.token_logprobs[0] is None
+    assert all(v <= 0 for v in lp.token_logprobs[1:]) and len(lp.tokens) == e.usage.prompt_tokens
+
+
+def _post(live, path, body, key=KEY, raw=None):
+    headers = {"Content-Type": "application/json"}
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    return httpx.post(live + path, content=raw if raw is not None else json.dumps(body), headers=headers)
+
+
+@pytest.mark.parametrize("body,status,needle", [
+    (None, 400, "not valid JSON"),
+    ([1, 2], 400, "JSON object"),
+    ({"messages": []}, 400, "messages"),
+    ({"messages": "hi"}, 400, "messages"),
+    ({"messages": [{"content": "x"}]}, 400, "role"),
+    ({"messages": [{"role": "user", "content": 5}]}, 400, "content"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_tokens": -1}, 400, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 10**9}, 400, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_tokens": "ten"}, 400, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}, 400, "temperature"),
+    ({"messages": [{"role": "user", "content": "x"}], "n": 0}, 400, "'n'"),
+    ({"messages": [{"role": "user", "content": "x"}], "stop": 3}, 400, "stop"),
+    ({"messages": [{"role": "user", "content": "x " * 400}]}, 400, "context"),
+    ({"messages": [{"role": "user", "content": "x"}], "model": "gpt-4"}, 404, "does not exist"),
+])
+def test_bad_requests(live, body, status, needle):
+    r = _post(live, "/v1/chat/completions", body, raw=b"{not json" if body is None else None)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert needle in err["message"] and err["type"]
+
+
+def test_auth_routes_and_unknown_fields(live):
+    assert _post(live, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}, key=None).status_code == 401
+    assert _post(live, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}, key="wrong").status_code == 401
+    assert httpx.get(live + "/v1/nothing", headers={"Authorization": f"Bearer {KEY}"}).status_code == 404
+    ok = _post(live, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2,
+                                              "frobnicate": {"a": 1}})
+    assert ok.status_code == 200  # unknown request fields are ignored
+    assert _post(live, "/v1/completions", {"prompt": [10**9]}).status_code == 400
+    assert _post(live, "/detokenize", {"tokens": [-1]}).status_code == 400
+    ids = _post(live, "/tokenize", {"content": "hello"}).json()["tokens"]
+    assert _post(live, "/detokenize", {"tokens": ids}).json()["content"] == "hello"
+    assert httpx.get(live + "/").status_code == 200 and "<textarea" in httpx.get(live + "/").text
+
+
+def _metric(live, name) -> float:
+    text = httpx.get(live + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+    return float(next(line.split()[-1] for line in text.splitlines() if line.startswith(f"hybridsparse:{name} ")))
+
+
+def test_disconnect_frees_the_slot_and_metrics_move(live, client):
+    before = _metric(live, "tokens_predicted_total")
+    for _ in range(3):  # more abandoned streams than slots: each must give its slot back
+        with httpx.stream("POST", live + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
+                          json={"messages": [{"role": "user", "content": "go"}], "max_tokens": 100, "stream": True}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {") and '"content": "' in line and '"content": ""' not in line:
+                    break
+    for _ in range(100):
+        if _metric(live, "requests_processing") == 0:
+            break
+        time.sleep(0.05)
+    assert _metric(live, "requests_processing") == 0
+    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "still there?"}], max_tokens=3)
+    assert r.choices[0].finish_reason in ("length", "stop")
+    assert _metric(live, "tokens_predicted_total") > before and _metric(live, "prompt_tokens_total") > 0
+
+
+def test_concurrent_clients(client):
+    results = [None] * 6
+
+    def one(i):
+        results[i] = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": f"n{i}"}],
+                                                    max_tokens=6, temperature=0).choices[0].finish_reason
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert all(r in ("length", "stop") for r in results)
