@@ -191,3 +191,38 @@ def test_concurrent_clients(client):
     for t in threads:
         t.join(timeout=60)
     assert all(r in ("length", "stop") for r in results)
+
+
+def test_chat_page_in_a_real_browser(live):
+    """Debian's chromium (headless, through selenium and chromedriver) loads the page, sends a message
+    and shows the streamed reply. Skips where chromium is not installed (`apt-get install chromium
+    chromium-driver`)."""
+    import shutil
+    webdriver = pytest.importorskip("selenium.webdriver")
+    if not (shutil.which("chromium") and shutil.which("chromedriver")):
+        pytest.skip("chromium / chromedriver not installed")
+    from selenium.webdriver.chrome.service import Service
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = shutil.which("chromium")
+    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"):
+        opts.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(shutil.which("chromedriver")), options=opts)
+    try:
+        driver.get(live + "/")
+        driver.find_element(By.ID, "key").send_keys(KEY)
+        WebDriverWait(driver, 20).until(lambda d: d.find_element(By.ID, "model").text == "tiny")
+        driver.find_element(By.ID, "max").clear()
+        driver.find_element(By.ID, "max").send_keys("12")
+        driver.find_element(By.ID, "input").send_keys("Hello there")
+        driver.find_element(By.ID, "send").click()
+        WebDriverWait(driver, 60).until(lambda d: d.find_element(By.ID, "send").is_enabled()
+                                        and d.find_elements(By.CSS_SELECTOR, ".msg.assistant"))
+        bubbles = driver.find_elements(By.CSS_SELECTOR, ".msg")
+        assert [b.get_attribute("class") for b in bubbles] == ["msg user", "msg assistant"]
+        assert bubbles[0].text == "Hello there" and bubbles[1].text  # the streamed reply is on the page
+        assert "chunks" in driver.find_element(By.ID, "stats").text
+    finally:
+        driver.quit()
