@@ -757,6 +757,8 @@ def build_parser() -> argparse.ArgumentParser:
     synth.add_argument("--predictor-width", type=int, default=512)
     synth.add_argument("--verbose", action="store_true")
     synth.set_defaults(func=_synth)
+    from .bench_serve import add_parser as add_serve
+    add_serve(sub, default_threads())
     return ap
 
 

@@ -226,3 +226,16 @@ def test_chat_page_in_a_real_browser(live):
         assert "chunks" in driver.find_element(By.ID, "stats").text
     finally:
         driver.quit()
+
+
+def test_load_test_command(tmp_path):
+    """hs-bench serve, bounded: a server of its own on loopback, concurrent streaming clients, no failure."""
+    from hybridsparse.runtime import bench
+    model = tiny_llama(tmp_path / "tiny.gguf")
+    out = tmp_path / "serve.json"
+    assert bench.main(["serve", "-m", str(model), "-t", "1", "--clients", "4", "--duration", "2",
+                       "--single-duration", "1", "--max-tokens", "8", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    c = r["concurrent"]
+    assert c["failed"] == 0 and c["requests"] >= 4 and c["ttft_p50_s"] > 0 and r["single"]["generated_tokens"] > 0
+    assert r["server_rss_mib_after"] > 0
