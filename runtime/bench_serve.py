@@ -3,7 +3,8 @@
 Starts hs-serve on a free loopback port (or uses --url), measures one streaming client alone, then
 --clients concurrent streaming clients for --duration seconds: failed requests, time to first token
 and inter-token latency (p50/p99), aggregate generated tokens/s against the single client, and the
-server's resident memory before and after the concurrent run.
+server's resident memory before and after the concurrent run. Requests still streaming when the
+time is up are hung up on (counted as cut, not failed: the server must free their slots).
 """
 
 from __future__ import annotations
@@ -67,22 +68,30 @@ async def _client(http, url: str, key: str | None, i: int, until: float, max_tok
                         else:
                             stats["itl"].append(now - last)
                         last, n = now, n + 1
-            stats["tokens"] += n
+                        stats["tokens"] += 1
             stats["requests"] += 1
+        except asyncio.CancelledError:  # the run's time is up: this request is cut, not failed
+            stats["cut"] += 1
+            raise
         except Exception:  # noqa: BLE001 - a failed request is what this counts
             stats["failed"] += 1
 
 
 async def _phase(url: str, key: str | None, clients: int, seconds: float, max_tokens: int) -> dict:
     import httpx
-    stats = {"ttft": [], "itl": [], "tokens": 0, "requests": 0, "failed": 0}
+    stats = {"ttft": [], "itl": [], "tokens": 0, "requests": 0, "failed": 0, "cut": 0}
     limits = httpx.Limits(max_connections=clients + 4)
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as http:
         t0 = time.perf_counter()
         until = t0 + seconds
-        await asyncio.gather(*(_client(http, url, key, i, until, max_tokens, stats) for i in range(clients)))
+        tasks = [asyncio.ensure_future(_client(http, url, key, i, until, max_tokens, stats)) for i in range(clients)]
+        done, running = await asyncio.wait(tasks, timeout=seconds)
+        for t in running:  # requests still streaming when the time is up: hang up on them
+            t.cancel()
+        await asyncio.gather(*running, return_exceptions=True)
         wall = time.perf_counter() - t0
-    return {"clients": clients, "seconds": round(wall, 1), "requests": stats["requests"], "failed": stats["failed"],
+    return {"clients": clients, "seconds": round(wall, 1), "requests": stats["requests"], "cut_at_end": stats["cut"],
+            "failed": stats["failed"],
             "generated_tokens": stats["tokens"], "tokens_per_s": stats["tokens"] / wall,
             "ttft_p50_s": _pct(stats["ttft"], 0.5), "ttft_p99_s": _pct(stats["ttft"], 0.99),
             "itl_p50_s": _pct(stats["itl"], 0.5), "itl_p99_s": _pct(stats["itl"], 0.99),
