@@ -164,10 +164,17 @@ class Step:
     kv_len: int
     masks: dict = field(default_factory=dict)  # (window, group) -> float [group*T, kv_len]
     rope: dict = field(default_factory=dict)  # id(Rotary) -> (cos, sin)
+    seqs: list | None = None  # batched sequences: (first token, end, the sequence's own Step)
 
     @classmethod
     def build(cls, positions: torch.Tensor, kv_len: int, windows=()) -> "Step":
         return cls(positions, kv_len)
+
+    @classmethod
+    def batch(cls, positions: torch.Tensor, bounds: list[tuple[int, int]], kv_lens: list[int]) -> "Step":
+        """Tokens of several sequences in one pass: linear layers see them all, attention runs per
+        sequence over its own cache (`attend` with a list of caches)."""
+        return cls(positions, max(kv_lens), seqs=[(a, b, cls(positions[a:b], n)) for (a, b), n in zip(bounds, kv_lens)])
 
     def mask(self, window: int | None, group: int) -> torch.Tensor:
         key = (window, group)
@@ -192,7 +199,11 @@ class KVCache:
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, step: Step,
            window: int | None, scale: float) -> torch.Tensor:
     """q [T, Hq, D], k/v [T, Hkv, D]: store k/v at their positions, attend over the cache.
-    Grouped-query heads share one KV head each without copying the cache."""
+    Grouped-query heads share one KV head each without copying the cache. With a list of caches
+    (a batch of sequences, `Step.batch`), each sequence's tokens attend over their own cache."""
+    if isinstance(cache, list):
+        return torch.cat([attend(q[a:b], k[a:b], v[a:b], c, sub, window, scale)
+                          for (a, b, sub), c in zip(step.seqs, cache)])
     if kernels.use_cpu_op(q) and cache.k.dtype == torch.float32:
         return kernels.cpu.attention(q, k, v, cache.k, cache.v, step.positions, step.kv_len, window or 0, scale)
     if q.shape[0] <= CUDA_ATTENTION_MAX_TOKENS and kernels.use_cuda_op(q, k, v) \

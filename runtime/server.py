@@ -7,12 +7,13 @@ Endpoints: GET /v1/models; POST /v1/chat/completions and /v1/completions (stream
 `data: [DONE]`); GET /health (503 while loading), /metrics (Prometheus), POST /tokenize, /detokenize;
 GET / (a chat page). Errors come in OpenAI's JSON shape with the right status.
 
-Scheduling: one engine thread owns the model. Each sequence (a request, or each of its `n` choices)
-takes one of `-np` slots, each with its own KV cache; between steps, waiting sequences join free
-slots and finished or disconnected ones leave. A step gives every active sequence one unit of work
-(a prompt chunk of at most --batch-size tokens, or one generated token), so no request waits behind
-another for more than one step. Sequences are computed one after another within a step; batching
-their FFNs into one pass is the next step of this server.
+Scheduling (continuous batching): one engine thread owns the model. Each sequence (a request, or
+each of its `n` choices) takes one of `-np` slots, each with its own KV cache; between steps, waiting
+sequences join free slots and finished or disconnected ones leave. A step gives every prefilling
+sequence one prompt chunk (at most --batch-size tokens) and decodes one token for every other
+sequence in a single batched pass (`CausalLM.forward_batch`: the linear layers, the hybrid FFN
+included, read their weights once for the whole batch; attention runs per sequence over its cache),
+so no request waits behind another for more than one step.
 """
 
 from __future__ import annotations
@@ -124,37 +125,59 @@ class Engine:
                 self._wake.wait(0.05)
                 self._wake.clear()
                 continue
+            feeds: list[tuple[Seq, int]] = []
             for seq in list(self.active):
                 try:
-                    done = seq.cancelled or self._step(seq)
+                    if seq.cancelled:
+                        done = True
+                    elif seq.fed < len(seq.prompt):
+                        done = self._prefill(seq)
+                    else:
+                        token = self._sample(seq)
+                        done = token is None
+                        if not done:
+                            feeds.append((seq, token))
                 except Exception as e:  # noqa: BLE001 - one request's failure must not stop the server
                     seq.emit({"error": APIError(500, f"{type(e).__name__}: {e}", kind="server_error")})
                     done = True
                 if done:
-                    self.active.remove(seq)
-                    self.free.append(seq.slot)
+                    self._leave(seq)
+            if feeds:
+                try:
+                    self._decode(feeds)
+                except Exception as e:  # noqa: BLE001
+                    for seq, _ in feeds:
+                        seq.emit({"error": APIError(500, f"{type(e).__name__}: {e}", kind="server_error")})
+                        self._leave(seq)
 
-    def _step(self, seq: Seq) -> bool:
+    def _leave(self, seq: Seq) -> None:
+        self.active.remove(seq)
+        self.free.append(seq.slot)
+
+    def _prefill(self, seq: Seq) -> bool:
+        """One chunk of the prompt; True when the sequence is already done (max_tokens 0)."""
         gen = self.slots[seq.slot]
-        if seq.fed < len(seq.prompt):  # the prompt, a chunk per step
-            chunk = seq.prompt[seq.fed:seq.fed + self.n_batch]
-            t = time.perf_counter()
-            want_all = seq.echo_logprobs
-            logits = gen.eval(chunk, all_logits=want_all)
-            self.metrics["prompt_seconds_total"] += time.perf_counter() - t
-            self.metrics["prompt_tokens_total"] += len(chunk)
-            if want_all:
-                self._prompt_logprobs(seq, logits, seq.fed)
-                logits = logits[-1]
-            seq.fed += len(chunk)
-            if seq.fed < len(seq.prompt):
-                return False
-            seq.last_logits = logits
-            seq.decoder = StreamDecoder(self.tok, seq.prompt)
-            seq.sampler = Sampler(seq.params)
-            if seq.max_tokens == 0:
-                seq.emit({"finish": "length"})
-                return True
+        chunk = seq.prompt[seq.fed:seq.fed + self.n_batch]
+        t = time.perf_counter()
+        logits = gen.eval(chunk, all_logits=seq.echo_logprobs)
+        self.metrics["prompt_seconds_total"] += time.perf_counter() - t
+        self.metrics["prompt_tokens_total"] += len(chunk)
+        if seq.echo_logprobs:
+            self._prompt_logprobs(seq, logits, seq.fed)
+            logits = logits[-1]
+        seq.fed += len(chunk)
+        if seq.fed < len(seq.prompt):
+            return False
+        seq.last_logits = logits
+        seq.decoder = StreamDecoder(self.tok, seq.prompt)
+        seq.sampler = Sampler(seq.params)
+        if seq.max_tokens == 0:
+            seq.emit({"finish": "length"})
+            return True
+        return False
+
+    def _sample(self, seq: Seq) -> int | None:
+        """The next token from the last logits, emitted; the token to feed back, or None when done."""
         t = time.perf_counter()
         logits = seq.last_logits
         token = seq.sampler(logits, seq.prompt + seq.tokens)
@@ -163,32 +186,47 @@ class Engine:
             seq.first_token_at = time.time()
         if token in self.tok.eog_ids:
             seq.emit({"finish": "stop"})
-            return True
+            return None
         seq.tokens.append(token)
         self.metrics["tokens_predicted_total"] += 1
         piece = seq.decoder.push(token)
         finish = None
         if piece:
+            before = len(seq.text)
             seq.text += piece
-            hit = min((seq.text.find(s, max(0, len(seq.text) - len(piece) - len(s))) for s in seq.stop
-                       if s and s in seq.text[max(0, len(seq.text) - len(piece) - len(s)):]), default=-1)
-            if hit >= 0:
-                keep = len(piece) - (len(seq.text) - hit)
-                piece = piece[:max(0, keep)]
+            hits = [i for i in (seq.text.find(x, max(0, before - len(x) + 1)) for x in seq.stop if x) if i >= 0]
+            if hits:  # cut at the stop string (the part already streamed stays streamed)
+                hit = min(hits)
+                piece = seq.text[before:hit] if hit > before else ""
                 seq.text = seq.text[:hit]
                 finish = "stop"
         seq.emit({"text": piece, "token": token, "logprobs": lp})
-        if finish is None and len(seq.tokens) >= seq.max_tokens:
+        if finish is None and (len(seq.tokens) >= seq.max_tokens or self.slots[seq.slot].n_past >= self.n_ctx):
             finish = "length"
-        if finish is None and gen.n_past >= self.n_ctx:
-            finish = "length"
-        if finish is not None:
-            self.metrics["tokens_predicted_seconds_total"] += time.perf_counter() - t
-            seq.emit({"finish": finish})
-            return True
-        seq.last_logits = gen.eval([token])
         self.metrics["tokens_predicted_seconds_total"] += time.perf_counter() - t
-        return False
+        if finish is not None:
+            seq.emit({"finish": finish})
+            return None
+        return token
+
+    def _decode(self, feeds: list[tuple[Seq, int]]) -> None:
+        """The sampled tokens of every decoding sequence in one pass (weights read once for all; one
+        sequence alone takes the single-token path, CUDA graphs included)."""
+        from . import kernels
+        t = time.perf_counter()
+        gens = [self.slots[seq.slot] for seq, _ in feeds]
+        if len(feeds) == 1:
+            feeds[0][0].last_logits = gens[0].eval([feeds[0][1]])
+        else:
+            kernels.raise_host_errors()
+            with torch.inference_mode():
+                logits = self.lm.model.forward_batch([[tok] for _, tok in feeds], [g.n_past for g in gens],
+                                                     [g.cache for g in gens])
+            for g in gens:
+                g.n_past += 1
+            for (seq, _), row in zip(feeds, logits):
+                seq.last_logits = row
+        self.metrics["tokens_predicted_seconds_total"] += time.perf_counter() - t
 
     def _logprobs(self, logits: torch.Tensor, token: int, k: int) -> dict:
         logp = torch.log_softmax(logits.float().cpu(), -1)

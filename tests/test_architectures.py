@@ -104,3 +104,25 @@ def test_logits_match_transformers(name, tmp_path):
             steps.append(ours.forward(ids[pos:pos + 1], torch.tensor([pos]), cache, pos + 1))
     _close(torch.cat(steps), ref)
     assert isinstance(cache[0], KVCache) and c.n_layers == len(cache)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_batched_sequences_equal_one_at_a_time(name, tmp_path):
+    """forward_batch (the server's batched decode): three sequences of different lengths, each with its
+    own cache, in one pass; every sequence's logits equal its own forward, for decode steps and for
+    several tokens per sequence."""
+    _, ours = build_case(name, tmp_path)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (5, 9, 2)]
+    solo, batch = [ours.new_cache(32) for _ in prompts], [ours.new_cache(32) for _ in prompts]
+    with torch.inference_mode():
+        for p, c1, c2 in zip(prompts, solo, batch):
+            ours.forward(torch.tensor(p), torch.arange(len(p)), c1, len(p))
+            ours.forward(torch.tensor(p), torch.arange(len(p)), c2, len(p))
+        starts = [len(p) for p in prompts]
+        for new in ([[7], [11], [13]], [[3, 4], [5], [6, 8, 9]]):
+            want = torch.cat([ours.forward(torch.tensor(t), torch.arange(s, s + len(t)), c, s + len(t))
+                              for t, s, c in zip(new, starts, solo)])
+            got = ours.forward_batch(new, starts, batch)
+            _close(got, want)
+            starts = [s + len(t) for s, t in zip(starts, new)]

@@ -177,3 +177,28 @@ def test_predictors_of_another_model_are_one_clear_error(tmp_path):
     damaged.write_bytes(bad.read_bytes()[:200])
     r = hs_run(*base, "--predictors", str(damaged))
     assert r.returncode == 1 and "damaged.gguf" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+@pytest.mark.parametrize("name", ["llama-relu", "opt"])
+def test_batched_sequences_through_the_split_ffn(name, tmp_path):
+    """The server's batched decode on a neuron-split oracle model (per-token active sets, attention on
+    either side): each sequence's logits equal its dense forward."""
+    _, dense = build_case(name, tmp_path)
+    model = load_model(GGUFFile(dense.gguf.path))
+    opts = HybridOptions(mode="oracle", device="cpu")
+    opts.hot, opts.attn_fast = _split(model, 5)
+    opts.head_fast = True
+    setup_hybrid(model, dense.gguf.path, opts, log_line=lambda *_: None)
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (4, 7, 3)]
+    ref_caches, caches = [dense.new_cache(32) for _ in prompts], [model.new_cache(32) for _ in prompts]
+    with torch.inference_mode():
+        for p, c1, c2 in zip(prompts, ref_caches, caches):
+            dense.forward(torch.tensor(p), torch.arange(len(p)), c1, len(p))
+            model.forward(torch.tensor(p), torch.arange(len(p)), c2, len(p))
+        starts = [len(p) for p in prompts]
+        new = [[9], [10], [11]]
+        want = torch.cat([dense.forward(torch.tensor(t), torch.tensor([s]), c, s + 1)
+                          for t, s, c in zip(new, starts, ref_caches)])
+        got = model.forward_batch(new, starts, caches)
+    assert (got - want).abs().max() <= 1e-4 * max(want.abs().max().item(), 1.0)

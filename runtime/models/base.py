@@ -202,6 +202,27 @@ class CausalLM:
             x = self.block(i, x.to(dev), steps[dev], cache[i])
         return x
 
+    def forward_batch(self, tokens: list[list[int]], starts: list[int], caches: list[list[KVCache]]) -> torch.Tensor:
+        """Several sequences in one pass (batched decode): sequence b's tokens at positions
+        starts[b]..., its own cache caches[b]; weights are read once for all of them. Returns the
+        logits of each sequence's last token [B, n_vocab]."""
+        p = self.placement
+        flat = [t for seq in tokens for t in seq]
+        pos = torch.tensor([s + j for seq, s in zip(tokens, starts) for j in range(len(seq))], dtype=torch.long)
+        bounds, at = [], 0
+        for seq in tokens:
+            bounds.append((at, at + len(seq)))
+            at += len(seq)
+        kv_lens = [s + len(seq) for seq, s in zip(tokens, starts)]
+        x = self.embed(torch.tensor(flat, dtype=torch.long).to(p.embed), pos.to(p.embed))
+        steps: dict[torch.device, Step] = {}
+        for i, dev in enumerate(p.layers):
+            if dev not in steps:
+                steps[dev] = Step.batch(pos.to(dev), bounds, kv_lens)
+            x = self.block(i, x.to(dev), steps[dev], [c[i] for c in caches])
+        last = torch.tensor([b - 1 for _, b in bounds], device=x.device)
+        return self.logits(self.final_norm(x.index_select(0, last).to(p.head)))
+
     def finish(self, x: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
         """Final norm and output head on the last hidden state (of every token with all_logits)."""
         if not all_logits:
