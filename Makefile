@@ -11,7 +11,7 @@ OUT ?=
 TYPE ?= Q4_0
 model_flag = $(if $(MODEL),-m $(MODEL),)
 
-.PHONY: install demo run test test-gpu bench profile train-predictor solve relu-model convert quantize perplexity serve clean
+.PHONY: install demo run test test-gpu bench profile train-predictor solve relu-model convert quantize perplexity serve batched clean
 
 install:  ## install the package (editable) and build the compiled kernels
 	$(PIP) install -e '.[test]'
@@ -50,6 +50,9 @@ perplexity:  ## make perplexity MODEL=path.gguf [ARGS="-f text.txt -c 512"]
 
 serve:  ## make serve MODEL=path.gguf ARGS="--port 8080 -np 4": the OpenAI-compatible server
 	hs-serve $(model_flag) $(ARGS)
+
+batched:  ## make batched MODEL=path.gguf ARGS="-p 'Hello' -np 4 -n 32": sequences decoded together
+	hs-batched $(model_flag) $(ARGS)
 
 solve:  ## make solve MODEL=path.gguf [VRAM=11]: place neurons under the VRAM budget, write the GPU index
 	hs-solve $(model_flag) --vram-budget $(VRAM) $(ARGS)
