@@ -394,7 +394,8 @@ def _hybrid(args) -> int:
         if not args.no_ngl:
             configs.append({"engine": "layer split", "vram_budget": b,
                             "ngl": _ngl_for_budget(model, int(b * 2**30), args.ctx_size)})
-    configs += [{"engine": "hybrid", "vram_budget": 0.0}, {"engine": "layer split", "vram_budget": 0.0, "ngl": 0}]
+    if not args.no_cpu_only:
+        configs += [{"engine": "hybrid", "vram_budget": 0.0}, {"engine": "layer split", "vram_budget": 0.0, "ngl": 0}]
     for cfg in configs:
         cfg.update(model=str(model), threads=args.threads, n_predict=args.n_predict, mode=args.mode,
                    ctx_size=args.ctx_size, cpu_bw=m["cpu_read_bandwidth_gib_s"],
@@ -738,6 +739,7 @@ def build_parser() -> argparse.ArgumentParser:
     hyb.add_argument("--mode", choices=["predictor", "sampled", "dense"], default="predictor",
                      help="sampled: active sets drawn from the profile (synthetic models)")
     hyb.add_argument("--no-ngl", action="store_true", help="skip the layer-split runs")
+    hyb.add_argument("--no-cpu-only", action="store_true", help="skip the CPU-only runs")
     hyb.add_argument("--timeout", type=float, default=600)
     hyb.add_argument("--json")
     hyb.add_argument("--verbose", action="store_true")

@@ -51,6 +51,27 @@ def test_logits_cuda_equal_cpu(name, tmp_path):
     assert (a - b).abs().max().item() < 5e-3 * max(scale, 1.0)
 
 
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_forward_batch_on_cuda_equals_one_at_a_time(name, tmp_path):
+    """The server's batched decode on CUDA: three sequences with their own caches in one pass."""
+    build_case(name, tmp_path)
+    m = load_model(GGUFFile(tmp_path / f"{name}.gguf"))
+    m.place(m.config.n_layers + 1, torch.device("cuda"))
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (5, 9, 2)]
+    solo, batch = [m.new_cache(32) for _ in prompts], [m.new_cache(32) for _ in prompts]
+    with torch.inference_mode():
+        for p, c1, c2 in zip(prompts, solo, batch):
+            m.forward(torch.tensor(p), torch.arange(len(p)), c1, len(p))
+            m.forward(torch.tensor(p), torch.arange(len(p)), c2, len(p))
+        starts = [len(p) for p in prompts]
+        new = [[7], [11], [13]]
+        want = torch.cat([m.forward(torch.tensor(t), torch.tensor([s]), c, s + 1)
+                          for t, s, c in zip(new, starts, solo)]).cpu()
+        got = m.forward_batch(new, starts, batch).cpu()
+    assert (got - want).abs().max().item() < 5e-3 * max(want.abs().max().item(), 1.0)
+
+
 def _greedy(path, n_gpu_layers, graphs=True, n=24):
     from hybridsparse.runtime.generate import Generator
     from hybridsparse.runtime.loader import open_model
