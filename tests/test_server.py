@@ -244,3 +244,67 @@ def test_load_test_command(tmp_path):
     c = r["concurrent"]
     assert c["failed"] == 0 and c["requests"] >= 4 and c["ttft_p50_s"] > 0 and r["single"]["generated_tokens"] > 0
     assert r["server_rss_mib_after"] > 0
+
+
+def test_503_while_loading_then_ready(tmp_path):
+    """/health and the API answer 503 while the model loads, then serve; a model that fails to load
+    is reported, not hung on."""
+    import uvicorn
+
+    from hybridsparse.runtime.loader import open_model
+    path = tiny_llama(tmp_path / "tiny.gguf")
+    gate = threading.Event()
+
+    def slow_load():
+        gate.wait(30)
+        return open_model(path, 0)
+    args = S.build_parser().parse_args(["-m", str(path), "-np", "1", "-c", "64", "-t", "1", "--no-graphs"])
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(S.create_app(args, slow_load), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+    for _ in range(200):
+        try:
+            r = httpx.get(base + "/health")
+            break
+        except httpx.HTTPError:
+            time.sleep(0.05)
+    assert r.status_code == 503 and r.json()["status"] == "loading model"
+    busy = httpx.post(base + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
+    assert busy.status_code == 503 and busy.json()["error"]["message"] == "loading model"
+    gate.set()
+    for _ in range(200):
+        if httpx.get(base + "/health").status_code == 200:
+            break
+        time.sleep(0.05)
+    assert httpx.post(base + "/v1/completions", json={"prompt": "a", "max_tokens": 2}).status_code == 200
+    server.should_exit = True
+    thread.join(timeout=10)
+
+    def broken():
+        raise OSError("disk on fire")
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(S.create_app(args, broken), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    for _ in range(200):
+        try:
+            r = httpx.get(f"http://127.0.0.1:{port}/health")
+            if r.status_code == 500:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    assert r.status_code == 500 and "disk on fire" in r.json()["error"]
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+def test_serve_flags_are_checked_before_listening(tmp_path, capsys):
+    assert S.main(["-m", str(tmp_path / "nope.gguf")]) == 1
+    assert "no such model file" in capsys.readouterr().err
+    path = tiny_llama(tmp_path / "tiny.gguf")
+    for bad, needle in ((["-np", "0"], "-np 0"), (["-c", "4"], "-c 4"), (["--port", "70000"], "--port 70000")):
+        assert S.main(["-m", str(path)] + bad) == 1
+        assert needle in capsys.readouterr().err
