@@ -384,24 +384,47 @@ class Checkpoint:
             raise ModelError(f"{f}: tensor {name} cannot be read ({e})") from None
 
 
-def load_hf_config(folder: Path):
+def load_hf_config(folder: Path, model_type: str | None = None, activation: str | None = None):
+    """config.json through transformers. `model_type` reads a custom-code config (Bamboo, TurboSparse,
+    ProSparse ship their own classes) as one of the supported families; `activation` sets the FFN
+    activation the checkpoint's code applies (relu, drelu = ReLU on gate and up, swiglu)."""
+    import json
+
     import transformers as tf
-    if not (folder / "config.json").is_file():
+    path = folder / "config.json"
+    if not path.is_file():
         raise ModelError(f"{folder}: no config.json (expected a Hugging Face model folder)")
     try:
-        cfg = tf.AutoConfig.from_pretrained(str(folder), local_files_only=True)
-    except (ValueError, KeyError, OSError) as e:
-        import json
-        try:
-            model_type = json.loads((folder / "config.json").read_text()).get("model_type")
-        except ValueError:
-            raise ModelError(f"{folder / 'config.json'}: not valid JSON") from None
-        raise ModelError(f"{folder / 'config.json'}: model_type {model_type!r} cannot be read "
-                         f"(supported: {', '.join(sorted(ARCHS))}): {str(e).splitlines()[0]}") from None
+        raw = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ModelError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise ModelError(f"{path}: not a JSON object")
+    hint = " (a custom-code model of a supported family: pass --model-type llama and --ffn-activation)"
+    if model_type is not None and model_type not in ARCHS:
+        raise ModelError(f"--model-type {model_type}: expected one of {', '.join(sorted(ARCHS))}")
+    if activation is not None:
+        if activation not in ACTIVATIONS:
+            raise ModelError(f"--ffn-activation {activation}: expected one of {', '.join(ACTIVATIONS)}")
+        key = "activation" if (model_type or raw.get("model_type")) == "falcon" else "hidden_act"
+        raw[key] = ACTIVATIONS[activation]
+    try:
+        if model_type is not None:
+            fields = {k: v for k, v in raw.items() if k not in ("model_type", "auto_map", "architectures")}
+            cfg = tf.AutoConfig.for_model(model_type, **fields)
+        else:
+            cfg = tf.AutoConfig.for_model(raw["model_type"], **{k: v for k, v in raw.items() if k != "model_type"}) \
+                if "model_type" in raw else tf.AutoConfig.from_pretrained(str(folder), local_files_only=True)
+    except (ValueError, KeyError, OSError, TypeError) as e:
+        raise ModelError(f"{path}: model_type {raw.get('model_type')!r} cannot be read "
+                         f"(supported: {', '.join(sorted(ARCHS))}){hint}: {str(e).splitlines()[0]}") from None
     if cfg.model_type not in ARCHS:
-        raise ModelError(f"{folder / 'config.json'}: model_type {cfg.model_type!r} is not supported "
-                         f"(supported: {', '.join(sorted(ARCHS))})")
+        raise ModelError(f"{path}: model_type {cfg.model_type!r} is not supported "
+                         f"(supported: {', '.join(sorted(ARCHS))}){hint}")
     return cfg
+
+
+ACTIVATIONS = {"relu": "relu", "drelu": "relu", "swiglu": "silu", "gelu": "gelu"}  # --ffn-activation -> HF hidden_act
 
 
 def _expected_shapes(cfg) -> dict[str, tuple[int, ...]]:
@@ -414,7 +437,8 @@ def _expected_shapes(cfg) -> dict[str, tuple[int, ...]]:
 
 def convert_hf(src: str | Path, out: str | Path | None = None, outtype: str = "f16", *, powerinfer: bool = False,
                predictors: str | Path | None = None, activation: str | Path | None = None, threads: int = 1,
-               pure: bool = False, log=print) -> Path:
+               pure: bool = False, model_type: str | None = None, ffn_activation: str | None = None,
+               log=print) -> Path:
     """A Hugging Face folder (config.json + safetensors/bin + tokenizer files) to one GGUF file:
     llama.cpp's names and metadata, or PowerInfer's layout; optionally PowerInfer predictors and
     activation counts. Streamed tensor by tensor; written atomically."""
@@ -428,7 +452,7 @@ def convert_hf(src: str | Path, out: str | Path | None = None, outtype: str = "f
         raise ModelError(f"--outtype {outtype}: expected one of {', '.join(OUTTYPES)}")
     qt = OUTTYPES[outtype.lower()]
     out = Path(out) if out else src / f"{src.name}-{outtype.upper()}.gguf"
-    cfg = load_hf_config(src)
+    cfg = load_hf_config(src, model_type, ffn_activation)
     arch, rules = _rules(cfg)
     ckpt = Checkpoint(src)
     expected = _expected_shapes(cfg)
@@ -464,6 +488,8 @@ def convert_hf(src: str | Path, out: str | Path | None = None, outtype: str = "f
         plan.append(PlannedTensor(gname, shape, out_q, produce))
 
     extra = {"general.name": src.name, "general.file_type": FILE_TYPE[qt]}
+    if ffn_activation == "drelu":  # the checkpoint's own code applies ReLU to gate and up (Bamboo, TurboSparse)
+        extra["hybridsparse.ffn_activation"] = "drelu"
     if qt not in (Q.F32, Q.F16, Q.BF16):
         extra["general.quantization_version"] = 2
     extra.update(tokenizer_metadata(src, getattr(cfg, "vocab_size", None)))
@@ -539,6 +565,10 @@ def build_parser():
     ap.add_argument("--predictors", help="PowerInfer predictor folder (model_N.pt with fc1/fc2, config.json with sparse_threshold)")
     ap.add_argument("--activation", help="PowerInfer activation folder (activation_N.pt), copied to <out>.hs-profile/")
     ap.add_argument("--pure", action="store_true", help="quantized output: the output head at the same type too")
+    ap.add_argument("--model-type", choices=sorted(ARCHS), help="read a custom-code config.json (its own "
+                    "model_type) as this supported family, e.g. llama for Bamboo / TurboSparse")
+    ap.add_argument("--ffn-activation", dest="ffn_activation", choices=sorted(ACTIVATIONS),
+                    help="the FFN activation the checkpoint's code applies (drelu: ReLU on gate and up)")
     ap.add_argument("-t", "--threads", type=int, default=None, help="quantization threads (default: all cores)")
     ap.add_argument("--verbose", action="store_true", help="tracebacks instead of one-line errors")
     return ap
@@ -549,7 +579,8 @@ def _run(args) -> int:
     if threads < 1:
         raise ModelError(f"-t {threads}: expected at least 1 thread")
     convert_hf(args.model, args.outfile, args.outtype, powerinfer=args.powerinfer, predictors=args.predictors,
-               activation=args.activation, threads=threads, pure=args.pure)
+               activation=args.activation, threads=threads, pure=args.pure, model_type=args.model_type,
+               ffn_activation=args.ffn_activation)
     return 0
 
 

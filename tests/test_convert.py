@@ -288,3 +288,22 @@ def test_converted_files_run_in_llama_cpp(name, tmp_path, bpe_tokenizer, corpus,
     assert (got - want).abs().max() <= 1e-3 * want.abs().max()
     for text in corpus[1][:3]:
         assert llm.tokenize(text.encode(), add_bos=False) == bpe_tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_custom_code_checkpoint_as_a_supported_family(tmp_path, bpe_tokenizer, monkeypatch, capsys):
+    """A Bamboo/TurboSparse-style folder (its own model_type and classes, dReLU FFN): refused with the
+    way out named, then converted with --model-type llama --ffn-activation drelu; logits equal the
+    checkpoint's own computation (transformers' Llama with ReLU on gate and up)."""
+    src = tmp_path / "hf"
+    ref = hf_folder("llama-drelu", src, bpe_tokenizer, monkeypatch)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg.update(model_type="bamboo", architectures=["BambooForCausalLM"], auto_map={"AutoConfig": "configuration_bamboo.BambooConfig"})
+    (src / "config.json").write_text(json.dumps(cfg))
+    out = tmp_path / "b.gguf"
+    _fails(capsys, [str(src), "-o", str(out)], "'bamboo'", "--model-type llama")
+    assert convert.main([str(src), "-o", str(out), "--outtype", "f32", "--model-type", "llama", "--ffn-activation", "drelu"]) == 0
+    g = GGUFFile(out)
+    assert g.get("hybridsparse.ffn_activation") == "drelu"
+    with torch.no_grad():
+        want = ref(IDS.unsqueeze(0)).logits[0].float()
+    A._close(logits(load_model(g), IDS), want)
