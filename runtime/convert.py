@@ -430,8 +430,12 @@ ACTIVATIONS = {"relu": "relu", "drelu": "relu", "swiglu": "silu", "gelu": "gelu"
 def _expected_shapes(cfg) -> dict[str, tuple[int, ...]]:
     """The state dict transformers builds from this config (on the meta device: no memory)."""
     import transformers as tf
-    with torch.device("meta"):
-        model = tf.AutoModelForCausalLM.from_config(cfg)
+    try:
+        with torch.device("meta"):
+            model = tf.AutoModelForCausalLM.from_config(cfg)
+    except (KeyError, ValueError, TypeError) as e:  # e.g. an activation only the checkpoint's own code knows
+        raise ModelError(f"config.json: transformers cannot build a {cfg.model_type} model from it ({type(e).__name__}: "
+                         f"{e}); for an activation of the checkpoint's own code pass --ffn-activation") from None
     return {k: tuple(v.shape) for k, v in model.state_dict().items()}
 
 
