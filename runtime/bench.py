@@ -422,6 +422,8 @@ def _hybrid(args) -> int:
             run["speedup_vs_layer_split"] = run["decode_tok_s"] / same[0]["decode_tok_s"]
     write_json(args.json, result)
     print(hybrid_table(result))
+    if args.json and any("decode_tok_s" in r for r in result["runs"]):
+        print(f"plot: {plot_hybrid(result, Path(args.json).with_suffix('.png'))}")
     return 0
 
 
@@ -542,6 +544,46 @@ def _placement_bytes(lm, cfg) -> tuple[float, float, float]:
         total_c += head.nbytes
         bound += head.nbytes / cbw
     return total_g, total_c, bound
+
+
+def plot_hybrid(d: dict, out: str | Path) -> Path:
+    """A PNG of an `hs-bench hybrid` result: decode tok/s per VRAM budget, hybrid beside the layer
+    split (log scale), the ratio above each pair, peak device memory against the budget below."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    budgets = sorted({r["vram_budget"] for r in d["runs"]}, key=lambda b: (b == 0, b))
+    get = {(r["engine"], r["vram_budget"]): r for r in d["runs"]}
+    fig, ax = plt.subplots(figsize=(8, 4.2))
+    width = 0.38
+    for k, (engine, color) in enumerate((("hybrid", "#2a7"), ("layer split", "#999"))):
+        xs = [i + (k - 0.5) * width for i in range(len(budgets))]
+        ys = [get.get((engine, b), {}).get("decode_tok_s", 0) for b in budgets]
+        ax.bar(xs, ys, width, color=color, label=engine if engine == "hybrid" else "dense layer split (-ngl)")
+    for i, b in enumerate(budgets):
+        h, s = get.get(("hybrid", b)), get.get(("layer split", b))
+        if h and s and s["decode_tok_s"]:
+            ax.text(i, max(h["decode_tok_s"], s["decode_tok_s"]) * 1.12, f"{h['decode_tok_s'] / s['decode_tok_s']:.2f}x",
+                    ha="center", fontsize=10, weight="bold")
+    ax.set_xticks(range(len(budgets)), [("CPU only" if b == 0 else f"{b:g} GiB") for b in budgets])
+    ax.set_yscale("log")
+    ax.set_ylabel("decode tokens/s")
+    ax.set_ylim(top=ax.get_ylim()[1] * 1.6)
+    m = d["machine"]
+    ax.set_title(f"{Path(d['model']).name}, {d['mode']} activity: {m.get('gpu', 'no GPU')} + {m['cpu']}", fontsize=10)
+    ax.legend(loc="upper left", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return Path(out)
+
+
+def _plot(args) -> int:
+    d = json.loads(Path(args.file).read_text())
+    if not isinstance(d, dict) or "runs" not in d:
+        raise ValueError(f"{args.file}: not an `hs-bench hybrid` result (no runs)")
+    print(plot_hybrid(d, args.output or str(Path(args.file).with_suffix(".png"))))
+    return 0
 
 
 def _table(args) -> int:
@@ -728,6 +770,11 @@ def build_parser() -> argparse.ArgumentParser:
     table.add_argument("files", nargs="+")
     table.add_argument("--verbose", action="store_true")
     table.set_defaults(func=_table)
+    plot = sub.add_parser("plot", help="a PNG bar chart of an `hs-bench hybrid` JSON file")
+    plot.add_argument("file")
+    plot.add_argument("-o", "--output", help="PNG path (default: the JSON's name with .png)")
+    plot.add_argument("--verbose", action="store_true")
+    plot.set_defaults(func=_plot)
     hyb = sub.add_parser("hybrid", help="hybrid vs the dense layer split at the same VRAM budgets vs CPU only")
     hyb.add_argument("-m", "--model")
     hyb.add_argument("-t", "--threads", type=int, default=default_threads())

@@ -202,3 +202,16 @@ def test_batched_sequences_through_the_split_ffn(name, tmp_path):
                           for t, s, c in zip(new, starts, ref_caches)])
         got = model.forward_batch(new, starts, caches)
     assert (got - want).abs().max() <= 1e-4 * max(want.abs().max().item(), 1.0)
+
+
+def test_hybrid_benchmark_plot(tmp_path):
+    """`hs-bench plot` on an `hs-bench hybrid` result (the session's merged H200 runs) writes a PNG."""
+    from pathlib import Path
+
+    from hybridsparse.runtime import bench
+    src = Path(__file__).parent.parent / "bench-results" / "hybrid-h200-llama13b-f16-sampled-session5.json"
+    out = tmp_path / "h.png"
+    assert bench.main(["plot", str(src), "-o", str(out)]) == 0
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+    assert bench.main(["plot", str(Path(__file__))]) == 1  # not JSON: one-line error
