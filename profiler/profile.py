@@ -99,10 +99,14 @@ def run_tokens(lm, texts: list[str], budget: int, ctx: int, desc: str) -> int:
     return done
 
 
+SPARSITY_GRID = [round(0.05 * i, 2) for i in range(1, 20)]  # 0.05 ... 0.95
+
+
 def profile(lm, texts: list[str], tokens: int, ctx: int, sparsity: float, calib_tokens: int,
             sample_dir: Path | None = None, max_samples: int = 0,
             heldout: list[str] | None = None) -> tuple[list[torch.Tensor], int, list]:
     relu = lm.model.config.ffn_variant in ("relu", "drelu", "relu_nogate")
+    profile.threshold_table = None
     thresholds: list[float | None]
     try:
         if relu:
@@ -111,7 +115,12 @@ def profile(lm, texts: list[str], tokens: int, ctx: int, sparsity: float, calib_
             probe = Counter(lm.model, None, None, 0)
             L.FFN_PROBE = probe
             run_tokens(lm, texts, calib_tokens, ctx, "calibrating thresholds")
-            thresholds = [float(torch.quantile(torch.cat(s)[:1_000_000], sparsity)) for s in probe.score_samples]
+            samples = [torch.cat(s)[:1_000_000] for s in probe.score_samples]
+            thresholds = [float(torch.quantile(s, sparsity)) for s in samples]
+            # |act| quantiles on a grid, so runs can choose another sparsity (hs-run --sparsity)
+            grid = torch.tensor(SPARSITY_GRID, dtype=samples[0].dtype)
+            profile.threshold_table = {"sparsity": SPARSITY_GRID,
+                                       "thresholds": [torch.quantile(s, grid).tolist() for s in samples]}
         probe = Counter(lm.model, thresholds, sample_dir, max_samples)
         L.FFN_PROBE = probe
         n = run_tokens(lm, texts, tokens, ctx, "profiling")
@@ -182,6 +191,7 @@ def _main(args) -> int:
             "heldout_documents": len(heldout), "criterion": "nonzero" if relu else "threshold",
             "target_sparsity": None if relu else args.sparsity, "thresholds": thresholds,
             "density_per_layer": density, "samples_per_layer": args.samples if args.samples else 0,
+            "threshold_table": profile.threshold_table,
             "seconds": round(dt, 1)}
     save_profile(out, counts, n, meta)
     print(f"hs-profile: {n} tokens in {dt:.1f} s ({n / dt:.0f} tokens/s); mean density "

@@ -104,6 +104,9 @@ def add_hybrid_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--disable-gpu-index", action="store_true",
                    help="keep the FFNs off the GPU: only the dense blocks (attention, head) go there")
     g.add_argument("--dense", action="store_true", help="no predictors: every neuron, exact, same placement")
+    g.add_argument("--sparsity", type=float, default=None, metavar="S",
+                   help="threshold models: skip the neurons whose |act| is below the profile's threshold for "
+                        "sparsity S (the exact rule, TEAL/CATS style; implies --oracle)")
     g.add_argument("--oracle", action="store_true", help="the true active set from a dense gate/up pass "
                    "(diagnostics: what perfect predictors would give)")
     g.add_argument("--predictors", help="predictor file or PowerInfer predictor folder "
@@ -120,18 +123,22 @@ def hybrid_options(args, model_path):
     from pathlib import Path
 
     from .hybrid import HybridOptions, load_predictors_available
+    sparsity = getattr(args, "sparsity", None)
     asked = (args.vram_budget is not None or args.reset_gpu_index or args.disable_gpu_index or args.dense
-             or args.oracle or args.predictors or args.gpu_index)
+             or args.oracle or args.predictors or args.gpu_index or sparsity is not None)
     if args.dense and args.oracle:
         raise ValueError("--dense and --oracle exclude each other")
+    if sparsity is not None and (args.dense or args.predictors):
+        raise ValueError("--sparsity is the exact threshold rule: it excludes --dense and --predictors")
     if asked and args.n_gpu_layers is not None:
         raise ValueError("-ngl places whole layers, --vram-budget & co. place neurons: pass one or the other")
     if not asked and (args.n_gpu_layers is not None or not load_predictors_available(Path(model_path))):
         return None
     if args.vram_budget is not None and args.vram_budget < 0:
         raise ValueError(f"--vram-budget must be >= 0 GiB, got {args.vram_budget}")
-    return HybridOptions(vram_budget=args.vram_budget, mode="dense" if args.dense else "oracle" if args.oracle
-                         else "predictor", predictors=args.predictors, profile=args.profile,
+    mode = "dense" if args.dense else "oracle" if args.oracle or sparsity is not None else "predictor"
+    return HybridOptions(vram_budget=args.vram_budget, mode=mode, sparsity=sparsity, predictors=args.predictors,
+                         profile=args.profile,
                          gpu_index=args.gpu_index, reset_gpu_index=args.reset_gpu_index,
                          disable_gpu_index=args.disable_gpu_index, n_ctx=args.ctx_size if args.ctx_size > 0 else 4096,
                          device=args.device, hardware=_measured_hardware if args.measure else None)

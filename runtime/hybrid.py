@@ -449,6 +449,7 @@ class HybridOptions:
     attn_fast: list | None = None  # with `hot`: which layers' attention runs on the fast device
     head_fast: bool = False
     hardware: object = None  # solver.plan.Hardware (or a function giving one) for a solve here; None: defaults
+    sparsity: float | None = None  # threshold models: the exact |act| rule at this sparsity (profile's table)
 
 
 def _side_path(model: Path, suffix: str) -> Path:
@@ -499,14 +500,32 @@ def load_predictors_available(model_path: Path) -> bool:
         g.close()
 
 
-def _score_thresholds(profile_dir: Path, n_layers: int) -> list:
+def _score_thresholds(profile_dir: Path, n_layers: int, sparsity: float | None = None) -> list:
+    """Per-layer |act| thresholds of a threshold model's profile (None for ReLU models); with
+    `sparsity`, read off the profile's quantile table (hs-profile stores |act| quantiles per layer)."""
     import json
-    meta = profile_dir / "profile.json"
-    if meta.is_file():
-        thr = json.loads(meta.read_text()).get("thresholds")
-        if isinstance(thr, list) and len(thr) == n_layers:
-            return thr
-    return [None] * n_layers
+    meta_path = profile_dir / "profile.json"
+    meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+    thr = meta.get("thresholds")
+    if not (isinstance(thr, list) and len(thr) == n_layers):
+        thr = [None] * n_layers
+    if sparsity is None:
+        return thr
+    if not 0.0 < sparsity < 1.0:
+        raise InputError(f"--sparsity {sparsity}: expected a fraction in (0, 1)")
+    if meta.get("criterion") != "threshold":
+        raise InputError(f"--sparsity applies to threshold models (SwiGLU, GeGLU); {meta_path} "
+                         f"{'counts nonzero activations (a ReLU model)' if meta else 'does not exist: run hs-profile first'}")
+    if meta.get("target_sparsity") == sparsity:
+        return thr
+    table = meta.get("threshold_table") or {}
+    grid, rows = table.get("sparsity"), table.get("thresholds")
+    if not grid or not isinstance(rows, list) or len(rows) != n_layers:
+        raise InputError(f"{meta_path}: thresholds only for sparsity {meta.get('target_sparsity')} (an older profile); "
+                         f"run hs-profile --sparsity {sparsity}")
+    if not grid[0] <= sparsity <= grid[-1]:
+        raise InputError(f"--sparsity {sparsity}: the profile's table covers {grid[0]:g} to {grid[-1]:g}")
+    return [float(np.interp(sparsity, grid, row)) for row in rows]
 
 
 def cuda_budget(budget_gib: float | None, device: torch.device) -> int:
@@ -561,7 +580,7 @@ def setup_hybrid(model, model_path: Path, opts: HybridOptions, log_line=print) -
             raise InputError(f"{model_path}: no predictors ({_side_path(model_path, '.predictors.gguf').name} not "
                              "found and the model has no blk.N.fc1 tensors): run `make profile` and `make "
                              "train-predictor` for it, or pass --dense (exact, same placement)")
-    score_thr = _score_thresholds(profile_dir, c.n_layers)
+    score_thr = _score_thresholds(profile_dir, c.n_layers, opts.sparsity)
     fast = None
     if opts.device is not None:
         fast = torch.device(opts.device)

@@ -91,6 +91,27 @@ def test_threshold_criterion_reaches_the_target_sparsity(tmp_path):
     # calibrated on the same tokens: the density is the target's complement
     assert all(abs(d - 0.3) < 0.05 for d in meta["density_per_layer"]), meta["density_per_layer"]
 
+    # other sparsities at run time, from the profile's |act| quantile table (hs-run/hs-perplexity --sparsity)
+    from hybridsparse.runtime import perplexity as PP
+    from hybridsparse.runtime.gguf_file import GGUFFile
+    from hybridsparse.runtime.hybrid import HybridOptions, setup_hybrid
+    from hybridsparse.runtime.models import load_model
+    table = meta["threshold_table"]
+    assert len(table["sparsity"]) == 19 and all(np.all(np.diff(row) >= 0) for row in table["thresholds"])
+    for s, row_check in ((0.7, meta["thresholds"]), (0.4, [float(np.interp(0.4, table["sparsity"], r))
+                                                          for r in table["thresholds"]])):
+        m = load_model(GGUFFile(path))
+        setup_hybrid(m, path, HybridOptions(mode="oracle", vram_budget=0, sparsity=s, profile=str(out)),
+                     log_line=lambda *_: None)
+        got = [layer.ffn.score_threshold for layer in m.layers]
+        assert got == pytest.approx(row_check)
+    assert all(a < b for a, b in zip(got, meta["thresholds"]))  # sparsity 0.4 keeps more neurons than 0.7
+    base = ["-m", str(path), "-f", str(tmp_path / "corpus.txt"), "-c", "64", "--chunks", "2", "-t", "1",
+            "--vram-budget", "0", "--profile", str(out)]
+    assert PP.main(base + ["--sparsity", "0.4"]) == 0
+    assert PP.main(base + ["--sparsity", "0.99"]) == 1
+    assert PP.main(base + ["--sparsity", "0.4", "--dense"]) == 1
+
 
 def test_default_corpus_and_heldout_split():
     docs = load_documents(None)
