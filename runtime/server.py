@@ -470,32 +470,35 @@ def create_app(args, load):
         async def body():
             pending = {s.index: s for s in seqs}
             outs = {s.index: {"tokens": []} for s in seqs}
+            getters: dict[int, asyncio.Future] = {}  # one waiting read per sequence
             try:
                 for s in seqs:
                     first = make_chunk(s.index, None, None, start=True)
                     if first is not None:
                         yield f"data: {json.dumps(first)}\n\n"
                 while pending:
-                    getters = {asyncio.ensure_future(s.events.get()): s for s in pending.values()}
-                    done, rest = await asyncio.wait(getters, return_when=asyncio.FIRST_COMPLETED)
-                    for f in rest:
-                        f.cancel()
-                    for f in done:
-                        s, ev = getters[f], f.result()
+                    for i, s in pending.items():
+                        if i not in getters:
+                            getters[i] = asyncio.ensure_future(s.events.get())
+                    done, _ = await asyncio.wait(getters.values(), return_when=asyncio.FIRST_COMPLETED)
+                    for i in [i for i, f in getters.items() if f in done]:
+                        ev = getters.pop(i).result()
                         if "error" in ev:
                             yield f"data: {json.dumps(ev['error'].body())}\n\n"
-                            pending.pop(s.index, None)
+                            pending.pop(i, None)
                         elif "finish" in ev:
-                            yield f"data: {json.dumps(make_chunk(s.index, None, ev['finish']))}\n\n"
-                            pending.pop(s.index, None)
+                            yield f"data: {json.dumps(make_chunk(i, None, ev['finish']))}\n\n"
+                            pending.pop(i, None)
                         elif "text" in ev:
-                            outs[s.index]["tokens"].append(ev["token"])
-                            yield f"data: {json.dumps(make_chunk(s.index, ev, None))}\n\n"
+                            outs[i]["tokens"].append(ev["token"])
+                            yield f"data: {json.dumps(make_chunk(i, ev, None))}\n\n"
                 usage = final_usage([outs[i] for i in sorted(outs)])
                 if usage is not None:
                     yield f"data: {json.dumps(usage)}\n\n"
                 yield "data: [DONE]\n\n"
             finally:  # the client went away (or we finished): free the slots now
+                for f in getters.values():
+                    f.cancel()
                 for s in seqs:
                     s.cancelled = True
         return StreamingResponse(body(), media_type="text/event-stream",
