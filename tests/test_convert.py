@@ -16,6 +16,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf import quants
 
 import test_architectures as A
+from cli_checks import one_line_error
 from hybridsparse.predictor_training.train import load_predictors
 from hybridsparse.profiler.activations import load_profile
 from hybridsparse.profiler.corpus import load_documents, split
@@ -145,11 +146,7 @@ def test_powerinfer_layout_with_predictors_and_activation(tmp_path, bpe_tokenize
 
 
 def _fails(capsys, argv, *needles):
-    capsys.readouterr()
-    assert convert.main(argv) == 1
-    err = [line for line in capsys.readouterr().err.splitlines() if "\r" not in line and line.strip()]
-    assert len(err) == 1 and err[0].startswith("hs-convert: error: ") and all(n in err[0] for n in needles), err
-    return err[0]
+    return one_line_error(capsys, convert.main, "hs-convert", argv, *needles)
 
 
 def test_broken_inputs_give_one_line_and_no_output(tmp_path, bpe_tokenizer, monkeypatch, capsys):

@@ -18,6 +18,7 @@ from hybridsparse.runtime.models import load_model
 from hybridsparse.runtime.perplexity import perplexity
 from hybridsparse.runtime.quants import dequantize
 from hybridsparse.runtime.tokenizer import Tokenizer
+from cli_checks import one_line_error
 from tiny_models import tiny_llama
 
 
@@ -88,10 +89,7 @@ def test_pure_and_predictor_options(powerinfer_f16, tmp_path):
 
 
 def _fails(capsys, argv, *needles):
-    capsys.readouterr()
-    assert hq.main(argv) == 1
-    err = [line for line in capsys.readouterr().err.splitlines() if "\r" not in line and line.strip()]
-    assert len(err) == 1 and err[0].startswith("hs-quantize: error: ") and all(n in err[0] for n in needles), err
+    return one_line_error(capsys, hq.main, "hs-quantize", argv, *needles)
 
 
 def test_bad_inputs(powerinfer_f16, tmp_path, capsys):
