@@ -308,3 +308,47 @@ def test_serve_flags_are_checked_before_listening(tmp_path, capsys):
     for bad, needle in ((["-np", "0"], "-np 0"), (["-c", "4"], "-c 4"), (["--port", "70000"], "--port 70000")):
         assert S.main(["-m", str(path)] + bad) == 1
         assert needle in capsys.readouterr().err
+
+
+def test_hybrid_placement_served_in_batches_gives_the_dense_answers(tmp_path, client):
+    """The server over the hybrid runtime (CPU-only, oracle active sets: exact for this ReLU model),
+    three clients at once so their tokens go through the split FFN as one batch: the same greedy
+    answers as the dense server."""
+    import uvicorn
+
+    from hybridsparse.runtime.hybrid import HybridOptions
+    from hybridsparse.runtime.loader import open_model
+    path = tiny_llama(tmp_path / "tiny.gguf")  # the same weights as the `live` server's model
+    args = S.build_parser().parse_args(["-m", str(path), "-np", "3", "-c", "128", "-t", "1", "--alias", "tiny",
+                                        "--no-graphs"])
+    app = S.create_app(args, lambda: open_model(path, hybrid=HybridOptions(mode="oracle", vram_budget=0),
+                                                log_line=lambda *_: None))
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+    for _ in range(400):
+        try:
+            if httpx.get(base + "/health").status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    hyb = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
+    prompts = ["alpha", "beta gamma", "delta"]
+    want = [client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": p}], max_tokens=10,
+                                           temperature=0).choices[0].message.content for p in prompts]
+    got = [None] * 3
+
+    def one(i):
+        got[i] = hyb.chat.completions.create(model="tiny", messages=[{"role": "user", "content": prompts[i]}],
+                                             max_tokens=10, temperature=0).choices[0].message.content
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    server.should_exit = True
+    thread.join(timeout=10)
+    assert got == want
