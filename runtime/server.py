@@ -9,11 +9,11 @@ GET / (a chat page). Errors come in OpenAI's JSON shape with the right status.
 
 Scheduling (continuous batching): one engine thread owns the model. Each sequence (a request, or
 each of its `n` choices) takes one of `-np` slots, each with its own KV cache; between steps, waiting
-sequences join free slots and finished or disconnected ones leave. A step gives every prefilling
-sequence one prompt chunk (at most --batch-size tokens) and decodes one token for every other
-sequence in a single batched pass (`CausalLM.forward_batch`: the linear layers, the hybrid FFN
-included, read their weights once for the whole batch; attention runs per sequence over its cache),
-so no request waits behind another for more than one step.
+sequences join free slots and finished or disconnected ones leave. A step is one forward pass over
+every active sequence's work: a prompt chunk (at most --batch-size tokens) for those still reading
+their prompt, the sampled token for the others (`CausalLM.forward_batch`: the linear layers, the
+hybrid FFN included, read their weights once for all; attention runs per sequence over its own
+cache), so no request waits behind another for more than one step.
 """
 
 from __future__ import annotations
@@ -125,49 +125,54 @@ class Engine:
                 self._wake.wait(0.05)
                 self._wake.clear()
                 continue
-            feeds: list[tuple[Seq, int]] = []
+            batch: list[tuple[Seq, list[int]]] = []  # every sequence's work of this step, one pass
             for seq in list(self.active):
                 try:
                     if seq.cancelled:
                         done = True
                     elif seq.fed < len(seq.prompt):
-                        done = self._prefill(seq)
+                        done = False
+                        if seq.echo_logprobs:  # its own pass: the logits of every prompt position
+                            done = self._prefill(seq)
+                        else:
+                            batch.append((seq, seq.prompt[seq.fed:seq.fed + self.n_batch]))
                     else:
                         token = self._sample(seq)
                         done = token is None
                         if not done:
-                            feeds.append((seq, token))
+                            batch.append((seq, [token]))
                 except Exception as e:  # noqa: BLE001 - one request's failure must not stop the server
                     seq.emit({"error": APIError(500, f"{type(e).__name__}: {e}", kind="server_error")})
                     done = True
                 if done:
                     self._leave(seq)
-            if feeds:
+            if batch:
                 try:
-                    self._decode(feeds)
+                    self._run(batch)
                 except Exception as e:  # noqa: BLE001
-                    for seq, _ in feeds:
+                    for seq, _ in batch:
                         seq.emit({"error": APIError(500, f"{type(e).__name__}: {e}", kind="server_error")})
                         self._leave(seq)
 
     def _leave(self, seq: Seq) -> None:
-        self.active.remove(seq)
-        self.free.append(seq.slot)
+        if seq in self.active:
+            self.active.remove(seq)
+            self.free.append(seq.slot)
 
     def _prefill(self, seq: Seq) -> bool:
-        """One chunk of the prompt; True when the sequence is already done (max_tokens 0)."""
+        """One chunk of the prompt with every position's logits (echo with logprobs)."""
         gen = self.slots[seq.slot]
         chunk = seq.prompt[seq.fed:seq.fed + self.n_batch]
         t = time.perf_counter()
-        logits = gen.eval(chunk, all_logits=seq.echo_logprobs)
+        logits = gen.eval(chunk, all_logits=True)
         self.metrics["prompt_seconds_total"] += time.perf_counter() - t
         self.metrics["prompt_tokens_total"] += len(chunk)
-        if seq.echo_logprobs:
-            self._prompt_logprobs(seq, logits, seq.fed)
-            logits = logits[-1]
+        self._prompt_logprobs(seq, logits, seq.fed)
         seq.fed += len(chunk)
-        if seq.fed < len(seq.prompt):
-            return False
+        return seq.fed >= len(seq.prompt) and self._start_decoding(seq, logits[-1])
+
+    def _start_decoding(self, seq: Seq, logits: torch.Tensor) -> bool:
+        """The prompt is in the cache: sampling state; True when nothing is to be generated."""
         seq.last_logits = logits
         seq.decoder = StreamDecoder(self.tok, seq.prompt)
         seq.sampler = Sampler(seq.params)
@@ -209,24 +214,36 @@ class Engine:
             return None
         return token
 
-    def _decode(self, feeds: list[tuple[Seq, int]]) -> None:
-        """The sampled tokens of every decoding sequence in one pass (weights read once for all; one
-        sequence alone takes the single-token path, CUDA graphs included)."""
+    def _run(self, batch: list[tuple[Seq, list[int]]]) -> None:
+        """One forward pass for the step: prompt chunks of the sequences still reading their prompt and
+        the sampled token of every other sequence (`CausalLM.forward_batch`: weights read once for
+        all; attention per sequence over its own cache). A lone sequence takes the Generator's path
+        (CUDA graphs for single tokens)."""
         from . import kernels
         t = time.perf_counter()
-        gens = [self.slots[seq.slot] for seq, _ in feeds]
-        if len(feeds) == 1:
-            feeds[0][0].last_logits = gens[0].eval([feeds[0][1]])
+        gens = [self.slots[seq.slot] for seq, _ in batch]
+        if len(batch) == 1:
+            rows = [gens[0].eval(batch[0][1])]
         else:
             kernels.raise_host_errors()
             with torch.inference_mode():
-                logits = self.lm.model.forward_batch([[tok] for _, tok in feeds], [g.n_past for g in gens],
-                                                     [g.cache for g in gens])
-            for g in gens:
-                g.n_past += 1
-            for (seq, _), row in zip(feeds, logits):
+                rows = self.lm.model.forward_batch([toks for _, toks in batch], [g.n_past for g in gens],
+                                                   [g.cache for g in gens])
+            for g, (_, toks) in zip(gens, batch):
+                g.n_past += len(toks)
+        dt = time.perf_counter() - t
+        n_prompt = sum(len(toks) for seq, toks in batch if seq.fed < len(seq.prompt))
+        n_all = sum(len(toks) for _, toks in batch)
+        self.metrics["prompt_seconds_total"] += dt * n_prompt / n_all
+        self.metrics["tokens_predicted_seconds_total"] += dt * (n_all - n_prompt) / n_all
+        self.metrics["prompt_tokens_total"] += n_prompt
+        for (seq, toks), row in zip(batch, rows):
+            if seq.fed < len(seq.prompt):
+                seq.fed += len(toks)
+                if seq.fed >= len(seq.prompt) and self._start_decoding(seq, row):
+                    self._leave(seq)
+            else:
                 seq.last_logits = row
-        self.metrics["tokens_predicted_seconds_total"] += time.perf_counter() - t
 
     def _logprobs(self, logits: torch.Tensor, token: int, k: int) -> dict:
         logp = torch.log_softmax(logits.float().cpu(), -1)
