@@ -106,6 +106,7 @@ def build(verbose: bool = False):
     if not (build_dir / "hybridsparse_C.so").exists():
         print(f"hybridsparse: building compiled kernels ({'CPU+CUDA' if with_cuda else 'CPU'}) "
               f"into {build_dir} (once)", file=sys.stderr)
+    _clear_stale_lock(build_dir)
     global cpu
     omp = _torch_openmp_library()
     omp_link = [str(omp), f"-Wl,-rpath,{omp.parent}"] if omp else ["-fopenmp"]
@@ -117,6 +118,28 @@ def build(verbose: bool = False):
     )
     _register_fakes()
     return torch.ops.hybridsparse
+
+
+STALE_LOCK_S = 600
+
+
+def _clear_stale_lock(build_dir: Path, now: float | None = None) -> bool:
+    """torch's build lock (`lock` in the build folder) outlives a build that was killed (Ctrl-C, out of
+    memory), and every later build then waits on it forever without a word. A lock in a folder where
+    nothing was written for STALE_LOCK_S seconds is left over: removed, and said so. A fresh one is
+    another process building now: said so, then torch waits for it."""
+    import time
+    lock = build_dir / "lock"
+    if not lock.exists():
+        return False
+    newest = max((p.stat().st_mtime for p in build_dir.iterdir()), default=0.0)
+    if (now if now is not None else time.time()) - newest > STALE_LOCK_S:
+        lock.unlink(missing_ok=True)
+        print(f"hybridsparse: removed {lock}, left by a kernel build that did not finish", file=sys.stderr)
+        return True
+    print(f"hybridsparse: waiting for another process building the kernels ({lock}; if none is running, "
+          f"delete it)", file=sys.stderr)
+    return False
 
 
 def _register_fakes() -> None:

@@ -196,3 +196,22 @@ def test_cold_ffn_task_errors():
         torch.testing.assert_close(y, ref, rtol=1e-6, atol=1e-6)
     finally:
         kernels.cpu.cold_ffn_free(task)
+
+
+def test_a_killed_builds_lock_is_cleared_and_a_live_one_kept(tmp_path, capsys):
+    """torch's build lock left by a killed kernel build would make every later build wait forever."""
+    import os
+    import time
+
+    from hybridsparse.runtime.kernels import STALE_LOCK_S, _clear_stale_lock
+    assert not _clear_stale_lock(tmp_path)  # no lock: nothing to do
+    (tmp_path / "ops.o").write_bytes(b"x")
+    lock = tmp_path / "lock"
+    lock.touch()
+    assert not _clear_stale_lock(tmp_path) and lock.exists()  # a build writing now: kept, said so
+    assert "waiting for another process" in capsys.readouterr().err
+    old = time.time() - STALE_LOCK_S - 60
+    for p in tmp_path.iterdir():
+        os.utime(p, (old, old))
+    assert _clear_stale_lock(tmp_path) and not lock.exists()
+    assert "did not finish" in capsys.readouterr().err
