@@ -65,14 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _run(args) -> int:
-    from .cli import hybrid_options, sampling_params
+    from .cli import hybrid_options, sampling_params, use_threads
     from .loader import open_model, resolve_model_path
     from .sampling import Sampler, SamplingParams
-    if args.threads < 1:
-        raise InputError(f"-t/--threads must be >= 1, got {args.threads}")
+    use_threads(args.threads)
     if args.parallel < 1 or args.n_predict < 1:
         raise InputError("-np and -n must be >= 1")
-    torch.set_num_threads(args.threads)
     if args.file:
         with open(args.file, encoding="utf-8") as fh:
             texts = [line.rstrip("\n") for line in fh if line.strip()]

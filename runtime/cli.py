@@ -17,6 +17,14 @@ def default_threads() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
+def use_threads(n: int) -> int:
+    """-t as every command takes it: at least one thread; torch's CPU pool set to it."""
+    if n < 1:
+        raise InputError(f"-t {n}: expected at least 1 thread")
+    torch.set_num_threads(n)
+    return n
+
+
 def add_model_args(ap: argparse.ArgumentParser) -> None:
     """Flags every command that loads a model shares."""
     ap.add_argument("-m", "--model", help="GGUF model file (llama.cpp or PowerInfer layout); "
@@ -155,9 +163,7 @@ def _run(args) -> int:
     from .loader import open_model
     from .sampling import Sampler
 
-    if args.threads < 1:
-        raise ValueError(f"-t/--threads must be >= 1, got {args.threads}")
-    torch.set_num_threads(args.threads)
+    use_threads(args.threads)
     if args.file:
         with open(args.file, encoding="utf-8") as fh:
             prompt = fh.read()

@@ -13,8 +13,6 @@ import re
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
-import gguf
-import numpy as np
 import torch
 
 from gguf import GGMLQuantizationType as Q
@@ -559,6 +557,8 @@ def _copy_activation(folder: Path, profile_dir: Path) -> None:
 
 def build_parser():
     import argparse
+
+    from .cli import default_threads
     ap = argparse.ArgumentParser(prog="hs-convert", description="Convert a Hugging Face model folder to GGUF "
                                  "(llama.cpp names and tokenizer metadata, or PowerInfer's layout).")
     ap.add_argument("model", help="Hugging Face model folder (config.json, *.safetensors or pytorch_model*.bin, tokenizer files)")
@@ -573,17 +573,16 @@ def build_parser():
                     "model_type) as this supported family, e.g. llama for Bamboo / TurboSparse")
     ap.add_argument("--ffn-activation", dest="ffn_activation", choices=sorted(ACTIVATIONS),
                     help="the FFN activation the checkpoint's code applies (drelu: ReLU on gate and up)")
-    ap.add_argument("-t", "--threads", type=int, default=None, help="quantization threads (default: all cores)")
+    ap.add_argument("-t", "--threads", type=int, default=default_threads(),
+                    help="quantization threads (default: %(default)s, the cores available)")
     ap.add_argument("--verbose", action="store_true", help="tracebacks instead of one-line errors")
     return ap
 
 
 def _run(args) -> int:
-    threads = args.threads if args.threads is not None else (os.cpu_count() or 1)
-    if threads < 1:
-        raise ModelError(f"-t {threads}: expected at least 1 thread")
+    from .cli import use_threads
     convert_hf(args.model, args.outfile, args.outtype, powerinfer=args.powerinfer, predictors=args.predictors,
-               activation=args.activation, threads=threads, pure=args.pure, model_type=args.model_type,
+               activation=args.activation, threads=use_threads(args.threads), pure=args.pure, model_type=args.model_type,
                ffn_activation=args.ffn_activation)
     return 0
 

@@ -136,17 +136,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _run(args) -> int:
-    from .cli import hybrid_options
+    from .cli import hybrid_options, use_threads
     from .loader import open_model, resolve_model_path
-    if args.threads < 1:
-        raise InputError(f"-t/--threads must be >= 1, got {args.threads}")
+    use_threads(args.threads)
     if args.ctx_size < 8:
         raise InputError(f"-c {args.ctx_size}: perplexity needs chunks of at least 8 tokens")
     if args.kl_divergence and not args.kl_divergence_base:
         raise InputError("--kl-divergence needs --kl-divergence-base FILE (saved by an earlier run)")
     if args.chunks is not None and args.chunks < 1:
         raise InputError(f"--chunks {args.chunks}: expected at least 1")
-    torch.set_num_threads(args.threads)
     if args.file:
         try:
             with open(args.file, encoding="utf-8") as fh:

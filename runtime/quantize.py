@@ -111,11 +111,13 @@ def quantize_gguf(src: str | Path, dst: str | Path, target: str, threads: int = 
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .cli import default_threads
     p = argparse.ArgumentParser(prog="hs-quantize", description=__doc__.split("\n\n")[0])
     p.add_argument("input", help="GGUF model (llama.cpp or PowerInfer layout), F32/F16/BF16")
     p.add_argument("output", help="GGUF to write (atomically)")
     p.add_argument("type", help="Q8_0, Q4_0, F16, BF16 or F32")
-    p.add_argument("-t", "--threads", type=int, default=None, help="threads (default: all cores)")
+    p.add_argument("-t", "--threads", type=int, default=default_threads(),
+                   help="threads (default: %(default)s, the cores available)")
     p.add_argument("--quantize-predictors", action="store_true", help="quantize blk.N.fc1/fc2 too")
     p.add_argument("--pure", action="store_true", help="every weight to the target type (no Q8_0 output head)")
     p.add_argument("--allow-requantize", action="store_true", help="allow already-quantized tensors as input")
@@ -124,11 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _run(args) -> int:
-    import os
-    threads = args.threads if args.threads is not None else (os.cpu_count() or 1)
-    if threads < 1:
-        raise InputError(f"-t {threads}: expected at least 1 thread")
-    quantize_gguf(args.input, args.output, args.type, threads, quantize_predictors=args.quantize_predictors,
+    from .cli import use_threads
+    quantize_gguf(args.input, args.output, args.type, use_threads(args.threads), quantize_predictors=args.quantize_predictors,
                   pure=args.pure, allow_requantize=args.allow_requantize)
     return 0
 

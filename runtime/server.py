@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import queue
 import sys
 import threading
@@ -678,7 +677,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _run(args) -> int:
     import uvicorn
 
-    from .cli import hybrid_options
+    from .cli import hybrid_options, use_threads
     from .loader import open_model, resolve_model_path
     if args.parallel < 1 or args.parallel > 256:
         raise InputError(f"-np {args.parallel}: expected 1 to 256 slots")
@@ -686,9 +685,7 @@ def _run(args) -> int:
         raise InputError(f"-c {args.ctx_size}: expected at least 16 tokens per slot")
     if not 0 < args.port < 65536:
         raise InputError(f"--port {args.port}: expected 1 to 65535")
-    if args.threads < 1:
-        raise InputError(f"-t/--threads must be >= 1, got {args.threads}")
-    torch.set_num_threads(args.threads)
+    use_threads(args.threads)
     path = resolve_model_path(args.model)
     if not Path(path).is_file():
         raise InputError(f"{path}: no such model file")
