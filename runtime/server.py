@@ -68,8 +68,6 @@ class Seq:
     fed: int = 0
     tokens: list[int] = field(default_factory=list)
     text: str = ""
-    created: float = field(default_factory=time.time)
-    first_token_at: float | None = None
 
     def emit(self, event: dict) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, event)
@@ -186,8 +184,6 @@ class Engine:
         logits = seq.last_logits
         token = seq.sampler(logits, seq.prompt + seq.tokens)
         lp = self._logprobs(logits, token, seq.logprobs) if seq.logprobs is not None else None
-        if seq.first_token_at is None:
-            seq.first_token_at = time.time()
         if token in self.tok.eog_ids:
             seq.emit({"finish": "stop"})
             return None
@@ -482,7 +478,7 @@ def create_app(args, load):
         gen = sum(len(o["tokens"]) for o in outs)
         return {"prompt_tokens": len(prompt), "completion_tokens": gen, "total_tokens": len(prompt) + gen}
 
-    def _stream(seqs: list[Seq], make_chunk, final_usage, request: Request):
+    def _stream(seqs: list[Seq], make_chunk, final_usage):
         async def body():
             pending = {s.index: s for s in seqs}
             outs = {s.index: {"tokens": []} for s in seqs}
@@ -565,7 +561,7 @@ def create_app(args, load):
                 if not include_usage:
                     return None
                 return {**head, "object": "chat.completion.chunk", "choices": [], "usage": _usage(prompt, outs)}
-            return _stream(seqs, make_chunk, usage, request)
+            return _stream(seqs, make_chunk, usage)
         outs = await _gather(seqs)
         choices = [{"index": s.index, "message": {"role": "assistant", "content": o["text"]},
                     "finish_reason": o["finish"],
@@ -605,7 +601,7 @@ def create_app(args, load):
                 if ev is not None and ev["logprobs"] is not None:
                     choice["logprobs"] = _cmpl_logprobs(tok, [ev["logprobs"]])
                 return {**head, "choices": [choice]}
-            return _stream(seqs, make_chunk, lambda outs: None, request)
+            return _stream(seqs, make_chunk, lambda outs: None)
         choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
         for k, prompt in enumerate(prompts):
             seqs = _seqs(eng, prompt, c, logprobs, echo=echo and logprobs is not None)
