@@ -4,6 +4,7 @@ a client that disconnects mid-stream frees its slot; /metrics counts move."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import threading
@@ -28,30 +29,46 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def live(tmp_path_factory):
-    import uvicorn
+def wait_health(base: str, status: int | None = None, tries: int = 400) -> httpx.Response | None:
+    """Poll /health until it answers (with `status`, when given); the last answer."""
+    r = None
+    for _ in range(tries):
+        try:
+            r = httpx.get(base + "/health")
+            if status is None or r.status_code == status:
+                return r
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    return r
 
-    from hybridsparse.runtime.loader import open_model
-    path = tiny_llama(tmp_path_factory.mktemp("srv") / "tiny.gguf")
-    args = S.build_parser().parse_args(["-m", str(path), "-np", "2", "-c", "128", "--api-key", KEY, "--alias", "tiny",
-                                        "-t", "1", "--no-graphs"])
-    app = S.create_app(args, lambda: open_model(path, 0))
+
+@contextlib.contextmanager
+def serving(app, ready: int | None = 200):
+    """The app under uvicorn in a thread on a free loopback port; yields its base URL once /health
+    answers (with status `ready`, when given); stops the server afterwards."""
+    import uvicorn
     port = _free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     base = f"http://127.0.0.1:{port}"
-    for _ in range(200):
-        try:
-            if httpx.get(base + "/health").status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.05)
-    yield base
-    server.should_exit = True
-    thread.join(timeout=10)
+    try:
+        wait_health(base, ready)
+        yield base
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory):
+    from hybridsparse.runtime.loader import open_model
+    path = tiny_llama(tmp_path_factory.mktemp("srv") / "tiny.gguf")
+    args = S.build_parser().parse_args(["-m", str(path), "-np", "2", "-c", "128", "--api-key", KEY, "--alias", "tiny",
+                                        "-t", "1", "--no-graphs"])
+    with serving(S.create_app(args, lambda: open_model(path, 0))) as base:
+        yield base
 
 
 @pytest.fixture
@@ -249,8 +266,6 @@ def test_load_test_command(tmp_path):
 def test_503_while_loading_then_ready(tmp_path):
     """/health and the API answer 503 while the model loads, then serve; a model that fails to load
     is reported, not hung on."""
-    import uvicorn
-
     from hybridsparse.runtime.loader import open_model
     path = tiny_llama(tmp_path / "tiny.gguf")
     gate = threading.Event()
@@ -259,46 +274,20 @@ def test_503_while_loading_then_ready(tmp_path):
         gate.wait(30)
         return open_model(path, 0)
     args = S.build_parser().parse_args(["-m", str(path), "-np", "1", "-c", "64", "-t", "1", "--no-graphs"])
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(S.create_app(args, slow_load), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    base = f"http://127.0.0.1:{port}"
-    for _ in range(200):
-        try:
-            r = httpx.get(base + "/health")
-            break
-        except httpx.HTTPError:
-            time.sleep(0.05)
-    assert r.status_code == 503 and r.json()["status"] == "loading model"
-    busy = httpx.post(base + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
-    assert busy.status_code == 503 and busy.json()["error"]["message"] == "loading model"
-    gate.set()
-    for _ in range(200):
-        if httpx.get(base + "/health").status_code == 200:
-            break
-        time.sleep(0.05)
-    assert httpx.post(base + "/v1/completions", json={"prompt": "a", "max_tokens": 2}).status_code == 200
-    server.should_exit = True
-    thread.join(timeout=10)
+    with serving(S.create_app(args, slow_load), ready=None) as base:
+        r = wait_health(base)
+        assert r.status_code == 503 and r.json()["status"] == "loading model"
+        busy = httpx.post(base + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
+        assert busy.status_code == 503 and busy.json()["error"]["message"] == "loading model"
+        gate.set()
+        wait_health(base, 200)
+        assert httpx.post(base + "/v1/completions", json={"prompt": "a", "max_tokens": 2}).status_code == 200
 
     def broken():
         raise OSError("disk on fire")
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(S.create_app(args, broken), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    for _ in range(200):
-        try:
-            r = httpx.get(f"http://127.0.0.1:{port}/health")
-            if r.status_code == 500:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.05)
-    assert r.status_code == 500 and "disk on fire" in r.json()["error"]
-    server.should_exit = True
-    thread.join(timeout=10)
+    with serving(S.create_app(args, broken), ready=None) as base:
+        r = wait_health(base, 500)
+        assert r.status_code == 500 and "disk on fire" in r.json()["error"]
 
 
 def test_serve_flags_are_checked_before_listening(tmp_path, capsys):
@@ -314,8 +303,6 @@ def test_hybrid_placement_served_in_batches_gives_the_dense_answers(tmp_path, cl
     """The server over the hybrid runtime (CPU-only, oracle active sets: exact for this ReLU model),
     three clients at once so their tokens go through the split FFN as one batch: the same greedy
     answers as the dense server."""
-    import uvicorn
-
     from hybridsparse.runtime.hybrid import HybridOptions
     from hybridsparse.runtime.loader import open_model
     path = tiny_llama(tmp_path / "tiny.gguf")  # the same weights as the `live` server's model
@@ -323,32 +310,19 @@ def test_hybrid_placement_served_in_batches_gives_the_dense_answers(tmp_path, cl
                                         "--no-graphs"])
     app = S.create_app(args, lambda: open_model(path, hybrid=HybridOptions(mode="oracle", vram_budget=0),
                                                 log_line=lambda *_: None))
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    base = f"http://127.0.0.1:{port}"
-    for _ in range(400):
-        try:
-            if httpx.get(base + "/health").status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.05)
-    hyb = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
     prompts = ["alpha", "beta gamma", "delta"]
     want = [client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": p}], max_tokens=10,
                                            temperature=0).choices[0].message.content for p in prompts]
     got = [None] * 3
+    with serving(app) as base:
+        hyb = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
 
-    def one(i):
-        got[i] = hyb.chat.completions.create(model="tiny", messages=[{"role": "user", "content": prompts[i]}],
-                                             max_tokens=10, temperature=0).choices[0].message.content
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    server.should_exit = True
-    thread.join(timeout=10)
+        def one(i):
+            got[i] = hyb.chat.completions.create(model="tiny", messages=[{"role": "user", "content": prompts[i]}],
+                                                 max_tokens=10, temperature=0).choices[0].message.content
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
     assert got == want
