@@ -106,23 +106,36 @@ def test_logits_match_transformers(name, tmp_path):
     assert isinstance(cache[0], KVCache) and c.n_layers == len(cache)
 
 
+def random_prompts(seed: int, lengths) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+
+def batched_vs_alone(model, prompts, rounds, ref=None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`model.forward_batch` (the server's batched step) against each sequence's own forward on `ref`
+    (default: the same model), every sequence with its own cache, prompts prefilled first; per round
+    of new tokens, (batched, one at a time) logits on the CPU."""
+    ref = ref or model
+    alone, batch = [ref.new_cache(32) for _ in prompts], [model.new_cache(32) for _ in prompts]
+    out = []
+    with torch.inference_mode():
+        for p, c1, c2 in zip(prompts, alone, batch):
+            ref.forward(torch.tensor(p), torch.arange(len(p)), c1, len(p))
+            model.forward(torch.tensor(p), torch.arange(len(p)), c2, len(p))
+        starts = [len(p) for p in prompts]
+        for new in rounds:
+            want = torch.cat([ref.forward(torch.tensor(t), torch.arange(s, s + len(t)), c, s + len(t))
+                              for t, s, c in zip(new, starts, alone)])
+            out.append((model.forward_batch(new, starts, batch).cpu(), want.cpu()))
+            starts = [s + len(t) for s, t in zip(starts, new)]
+    return out
+
+
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_batched_sequences_equal_one_at_a_time(name, tmp_path):
     """forward_batch (the server's batched decode): three sequences of different lengths, each with its
     own cache, in one pass; every sequence's logits equal its own forward, for decode steps and for
     several tokens per sequence."""
     _, ours = build_case(name, tmp_path)
-    g = torch.Generator().manual_seed(2)
-    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (5, 9, 2)]
-    solo, batch = [ours.new_cache(32) for _ in prompts], [ours.new_cache(32) for _ in prompts]
-    with torch.inference_mode():
-        for p, c1, c2 in zip(prompts, solo, batch):
-            ours.forward(torch.tensor(p), torch.arange(len(p)), c1, len(p))
-            ours.forward(torch.tensor(p), torch.arange(len(p)), c2, len(p))
-        starts = [len(p) for p in prompts]
-        for new in ([[7], [11], [13]], [[3, 4], [5], [6, 8, 9]]):
-            want = torch.cat([ours.forward(torch.tensor(t), torch.arange(s, s + len(t)), c, s + len(t))
-                              for t, s, c in zip(new, starts, solo)])
-            got = ours.forward_batch(new, starts, batch)
-            _close(got, want)
-            starts = [s + len(t) for s, t in zip(starts, new)]
+    for got, want in batched_vs_alone(ours, random_prompts(2, (5, 9, 2)), ([[7], [11], [13]], [[3, 4], [5], [6, 8, 9]])):
+        _close(got, want)

@@ -17,7 +17,7 @@ from hybridsparse.runtime.gguf_file import GGUFFile
 from hybridsparse.runtime.hybrid import HybridFFN, HybridOptions, down_t_cache_path, setup_hybrid
 from hybridsparse.runtime.models import load_model
 
-from test_architectures import VOCAB, build_case
+from test_architectures import VOCAB, batched_vs_alone, build_case, random_prompts
 from tiny_models import tiny_llama
 
 PROMPT, STEPS = 6, 6
@@ -189,18 +189,7 @@ def test_batched_sequences_through_the_split_ffn(name, tmp_path):
     opts.hot, opts.attn_fast = _split(model, 5)
     opts.head_fast = True
     setup_hybrid(model, dense.gguf.path, opts, log_line=lambda *_: None)
-    g = torch.Generator().manual_seed(4)
-    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (4, 7, 3)]
-    ref_caches, caches = [dense.new_cache(32) for _ in prompts], [model.new_cache(32) for _ in prompts]
-    with torch.inference_mode():
-        for p, c1, c2 in zip(prompts, ref_caches, caches):
-            dense.forward(torch.tensor(p), torch.arange(len(p)), c1, len(p))
-            model.forward(torch.tensor(p), torch.arange(len(p)), c2, len(p))
-        starts = [len(p) for p in prompts]
-        new = [[9], [10], [11]]
-        want = torch.cat([dense.forward(torch.tensor(t), torch.tensor([s]), c, s + 1)
-                          for t, s, c in zip(new, starts, ref_caches)])
-        got = model.forward_batch(new, starts, caches)
+    [(got, want)] = batched_vs_alone(model, random_prompts(4, (4, 7, 3)), [[[9], [10], [11]]], ref=dense)
     assert (got - want).abs().max() <= 1e-4 * max(want.abs().max().item(), 1.0)
 
 

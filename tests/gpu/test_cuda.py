@@ -13,7 +13,7 @@ from hybridsparse.runtime import kernels  # noqa: E402
 from hybridsparse.runtime.gguf_file import GGUFFile  # noqa: E402
 from hybridsparse.runtime.models import load_model  # noqa: E402
 from quant_utils import random_rows  # noqa: E402
-from test_architectures import CASES, VOCAB, build_case  # noqa: E402
+from test_architectures import CASES, VOCAB, batched_vs_alone, build_case, random_prompts  # noqa: E402
 
 
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0])
@@ -57,18 +57,7 @@ def test_forward_batch_on_cuda_equals_one_at_a_time(name, tmp_path):
     build_case(name, tmp_path)
     m = load_model(GGUFFile(tmp_path / f"{name}.gguf"))
     m.place(m.config.n_layers + 1, torch.device("cuda"))
-    g = torch.Generator().manual_seed(2)
-    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (5, 9, 2)]
-    solo, batch = [m.new_cache(32) for _ in prompts], [m.new_cache(32) for _ in prompts]
-    with torch.inference_mode():
-        for p, c1, c2 in zip(prompts, solo, batch):
-            m.forward(torch.tensor(p), torch.arange(len(p)), c1, len(p))
-            m.forward(torch.tensor(p), torch.arange(len(p)), c2, len(p))
-        starts = [len(p) for p in prompts]
-        new = [[7], [11], [13]]
-        want = torch.cat([m.forward(torch.tensor(t), torch.tensor([s]), c, s + 1)
-                          for t, s, c in zip(new, starts, solo)]).cpu()
-        got = m.forward_batch(new, starts, batch).cpu()
+    [(got, want)] = batched_vs_alone(m, random_prompts(2, (5, 9, 2)), [[[7], [11], [13]]])
     assert (got - want).abs().max().item() < 5e-3 * max(want.abs().max().item(), 1.0)
 
 
