@@ -3,7 +3,6 @@ included; bad flags are one-line errors."""
 
 from __future__ import annotations
 
-import torch
 
 from hybridsparse.runtime import batched
 from hybridsparse.runtime.generate import Generator
@@ -40,4 +39,3 @@ def test_bad_flags(tmp_path, capsys):
     empty = tmp_path / "e.txt"
     empty.write_text("\n")
     assert batched.main(["-m", str(path), "-f", str(empty)]) == 1
-    torch.set_num_threads(torch.get_num_threads())
