@@ -3,7 +3,6 @@ included; bad flags are one-line errors."""
 
 from __future__ import annotations
 
-
 from hybridsparse.runtime import batched
 from hybridsparse.runtime.generate import Generator
 from hybridsparse.runtime.loader import open_model
