@@ -468,11 +468,13 @@ def create_app(args, load):
     def _piece(tok, i: int) -> str:
         return tok.decode([i], skip_special=False)
 
+    def _chat_entry(tok, i: int, logprob) -> dict:
+        piece = _piece(tok, i)
+        return {"token": piece, "logprob": logprob, "bytes": list(piece.encode())}
+
     def _chat_logprobs(tok, lps: list[dict]) -> dict:
-        return {"content": [{"token": _piece(tok, lp["token"]), "logprob": lp["logprob"],
-                             "bytes": list(_piece(tok, lp["token"]).encode()),
-                             "top_logprobs": [{"token": _piece(tok, i), "logprob": v, "bytes": list(_piece(tok, i).encode())}
-                                              for i, v in lp["top"]]} for lp in lps]}
+        return {"content": [{**_chat_entry(tok, lp["token"], lp["logprob"]),
+                             "top_logprobs": [_chat_entry(tok, i, v) for i, v in lp["top"]]} for lp in lps]}
 
     def _usage(prompt: list[int], outs: list[dict]) -> dict:
         gen = sum(len(o["tokens"]) for o in outs)
