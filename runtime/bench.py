@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import shutil
 import statistics
 import sys
 import time
@@ -21,14 +22,6 @@ import torch
 
 from .cli import add_model_args, default_threads, run_main
 from .errors import InputError
-
-SHAPES = {  # name: (d_model, n_ff, n_layers, n_heads, n_kv_heads, n_vocab)
-    "llama-7b": (4096, 11008, 32, 32, 32, 32000),
-    "llama-13b": (5120, 13824, 40, 40, 40, 32000),
-    "llama-70b": (8192, 28672, 80, 64, 8, 32000),
-    "tiny": (256, 704, 4, 8, 4, 512),
-}
-
 
 def machine() -> dict:
     info = {"cpu": platform.processor() or platform.machine(), "cpu_threads_available": default_threads(),
@@ -168,6 +161,12 @@ def write_json(path: str | None, result: dict) -> None:
 
 
 def _run(args) -> int:
+    if args.vram_budget is not None:  # the four engines side by side, each in its own process
+        return _hybrid(argparse.Namespace(
+            model=args.model, threads=args.threads, budgets=str(args.vram_budget), n_predict=args.n_predict,
+            prompt_tokens=args.prompt_tokens, reps=args.reps, mode=args.mode, no_ngl=False,
+            no_cpu_only=args.no_cpu_only, timeout=args.timeout, json=args.json,
+            ctx_size=max(512, -(-(args.prompt_tokens + args.n_predict + 4) // 256) * 256)))
     from .loader import default_model_path
     model = Path(args.model) if args.model else default_model_path()
     if args.n_gpu_layers is None:
@@ -218,90 +217,6 @@ def _run(args) -> int:
     return 0
 
 
-def _synth(args) -> int:
-    """A llama-shaped model with random F16/F32 weights, written fast (one random block tiled)."""
-    import gguf
-    from tqdm import tqdm
-
-    d, ff, layers, heads, kv, vocab = SHAPES[args.shape]
-    out = Path(args.output)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{args.shape}-{args.dtype}.gguf"
-    rng = np.random.default_rng(0)
-    dtype = {"f16": np.float16, "f32": np.float32}[args.dtype]
-    pool = (rng.standard_normal(1 << 22) * 0.02).astype(dtype)
-
-    def rand(rows, cols):
-        n = rows * cols
-        reps = -(-n // pool.size)
-        return np.tile(pool, reps)[:n].reshape(rows, cols)
-
-    w = gguf.GGUFWriter(str(path) + ".part", "llama")
-    hd = d // heads
-    for key, value in {"context_length": 4096, "embedding_length": d, "block_count": layers,
-                       "feed_forward_length": ff, "attention.head_count": heads, "attention.head_count_kv": kv,
-                       "rope.dimension_count": hd}.items():
-        w.add_uint32(f"llama.{key}", value)
-    w.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
-    w.add_string("hybridsparse.ffn_activation", "relu")
-    from .convert import add_metadata, byte_level_vocab
-    for key, value in byte_level_vocab(vocab).items():
-        add_metadata(w, key, value)
-    tensors = [("token_embd.weight", vocab, d), ("output.weight", vocab, d)]
-    for i in range(layers):
-        tensors += [(f"blk.{i}.attn_q.weight", d, d), (f"blk.{i}.attn_k.weight", kv * hd, d),
-                    (f"blk.{i}.attn_v.weight", kv * hd, d), (f"blk.{i}.attn_output.weight", d, d),
-                    (f"blk.{i}.ffn_gate.weight", ff, d), (f"blk.{i}.ffn_up.weight", ff, d),
-                    (f"blk.{i}.ffn_down_t.weight", ff, d) if args.layout == "powerinfer" else
-                    (f"blk.{i}.ffn_down.weight", d, ff)]
-    norms = ["output_norm.weight"] + [f"blk.{i}.{n}.weight" for i in range(layers) for n in ("attn_norm", "ffn_norm")]
-    for name in norms:
-        w.add_tensor(name, np.ones(d, dtype=np.float32))
-    for name, rows, cols in tensors:
-        w.add_tensor_info(name, (rows, cols), np.dtype(dtype), rows * cols * np.dtype(dtype).itemsize)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_ti_data_to_file()
-    for name in norms:
-        w.write_tensor_data(np.ones(d, dtype=np.float32))
-    for name, rows, cols in tqdm(tensors, desc=f"writing {path.name}", unit="tensor", file=sys.stderr):
-        w.write_tensor_data(rand(rows, cols))
-    w.close()
-    Path(str(path) + ".part").replace(path)
-    if args.activity == "zipf":
-        write_synthetic_activity(path, layers, d, ff, args.density, args.hot_share, args.predictor_width)
-    print(path)
-    return 0
-
-
-def zipf_frequencies(n: int, density: float, hot_share: float, rng) -> np.ndarray:
-    """P(active) per neuron following a power law f_r = min(1, c r^-a) over the rank r, with mean
-    `density` and the hottest `hot_share` of the neurons carrying 80% of the activations (the
-    published statistics: OPT-30B 26%, Llama(ReGLU)-70B 43%; ProSparse/TurboSparse ~10% density),
-    in a random neuron order."""
-    r = np.arange(1, n + 1, dtype=np.float64)
-
-    def curve(a):
-        lo, hi = 1e-12, 1e12
-        for _ in range(200):
-            c = (lo * hi) ** 0.5
-            if np.minimum(1.0, c * r ** -a).mean() < density:
-                lo = c
-            else:
-                hi = c
-        return np.minimum(1.0, c * r ** -a)
-
-    lo, hi = 0.0, 4.0
-    for _ in range(60):
-        a = (lo + hi) / 2
-        f = curve(a)
-        if f[: int(hot_share * n)].sum() / f.sum() < 0.8:
-            lo = a
-        else:
-            hi = a
-    return rng.permutation(curve((lo + hi) / 2))
-
-
 def write_synthetic_activity(path: Path, layers: int, d: int, ff: int, density: float, hot_share: float,
                              width: int) -> None:
     """Beside a synthetic model: an activation profile with published statistics (`<model>.hs-profile`)
@@ -309,6 +224,7 @@ def write_synthetic_activity(path: Path, layers: int, d: int, ff: int, density: 
     runtime's `sampled` mode draws each token's active set from the profile instead of using them)."""
     from hybridsparse.predictor_training.train import LayerResult, write_predictors
     from hybridsparse.profiler.activations import save_profile
+    from .synth import zipf_frequencies
     rng = np.random.default_rng(1)
     tokens = 100_000
     counts = [torch.from_numpy(zipf_frequencies(ff, density, hot_share, rng) * tokens) for _ in range(layers)]
@@ -377,12 +293,16 @@ def _hybrid(args) -> int:
     import subprocess
     from .loader import default_model_path
     model = Path(args.model) if args.model else default_model_path()
-    if args.ctx_size < 8 + args.n_predict:
-        raise InputError(f"--ctx-size {args.ctx_size} is too small for an 8-token prompt and -n {args.n_predict}")
+    if args.ctx_size < args.prompt_tokens + args.n_predict + 4:
+        raise InputError(f"--ctx-size {args.ctx_size} is too small for a {args.prompt_tokens}-token prompt and "
+                         f"-n {args.n_predict}")
     gpu = torch.cuda.is_available()
+    torch.set_num_threads(args.threads)  # the CPU bandwidth below is measured with the threads the engines get
     result = {"machine": machine(), "model": str(model), "generated_tokens": args.n_predict, "mode": args.mode,
-              "ctx_size": args.ctx_size,
-              "runs": []}
+              "ctx_size": args.ctx_size, "prompt_tokens": args.prompt_tokens, "reps": args.reps,
+              "threads": args.threads, "runs": []}
+    if getattr(args, "scenario", None):
+        result["scenario"] = args.scenario
     m = result["machine"]
     m["cpu_read_bandwidth_gib_s"] = round(measure_bandwidth_gib_s("cpu"), 1)
     if gpu:
@@ -398,7 +318,7 @@ def _hybrid(args) -> int:
         configs += [{"engine": "hybrid", "vram_budget": 0.0}, {"engine": "layer split", "vram_budget": 0.0, "ngl": 0}]
     for cfg in configs:
         cfg.update(model=str(model), threads=args.threads, n_predict=args.n_predict, mode=args.mode,
-                   ctx_size=args.ctx_size, cpu_bw=m["cpu_read_bandwidth_gib_s"],
+                   ctx_size=args.ctx_size, prompt_tokens=args.prompt_tokens, reps=args.reps, cpu_bw=m["cpu_read_bandwidth_gib_s"],
                    gpu_bw=m.get("gpu_read_bandwidth_gib_s", 0.0))
         with _GpuMemoryPoller() as poll:
             p = subprocess.run([sys.executable, "-m", "hybridsparse.runtime.bench", "hybrid-one", json.dumps(cfg)],
@@ -435,27 +355,75 @@ def _hybrid_row(r: dict) -> str:
             f"{100 * r.get('fraction_of_bound', 0):.0f}% of bound{peak}")
 
 
+def _engine_label(r: dict) -> str:
+    if r["vram_budget"] == 0:
+        return "CPU-only sparse" if r["engine"] == "hybrid" else "CPU-only dense"
+    return "hybrid sparse" if r["engine"] == "hybrid" else "dense layer split"
+
+
 def hybrid_table(d: dict) -> str:
     m = d["machine"]
     where = f"{m['gpu']} + {m['cpu']}" if m.get("gpu") else f"{m['cpu']} (no GPU)"
-    lines = [f"Hybrid vs layer split on {where} ({Path(d['model']).name}, {d['mode']} "
-             "activity):", "", "| VRAM budget GiB | engine | placement | decode tok/s | vs layer split | "
-             "of bound | peak device GiB |", "|---|---|---|---|---|---|---|"]
+    title = d.get("scenario") or f"{Path(d['model']).name}, {d['mode']} activity"
+    lines = [f"{title} on {where}, {d.get('threads', '?')} threads ({Path(d['model']).name}, "
+             f"{d.get('prompt_tokens', 8)}-token prompt, {d['generated_tokens']} generated):", "",
+             "| VRAM budget GiB | engine | placement | prefill tok/s | decode tok/s | vs dense | of bound | "
+             "peak device GiB |", "|---|---|---|---|---|---|---|---|"]
     for r in d["runs"]:
         if "error" in r:
-            lines.append(f"| {r['vram_budget']:g} | {r['engine']} | error: {r['error']} | | | | |")
+            lines.append(f"| {r['vram_budget']:g} | {_engine_label(r)} | error: {r['error']} | | | | | |")
             continue
         where = (f"-ngl {r['ngl']}" if r["engine"] == "layer split" else r.get("placement", ""))
         peak = f"{r['peak_device_bytes'] / 2**30:.2f}" if "peak_device_bytes" in r else ""
         sp = f"{r['speedup_vs_layer_split']:.2f}x" if "speedup_vs_layer_split" in r else ""
-        lines.append(f"| {r['vram_budget']:g} | {r['engine']} | {where} | {r['decode_tok_s']:.2f} | {sp} | "
-                     f"{100 * r.get('fraction_of_bound', 0):.0f}% | {peak} |")
+        lines.append(f"| {r['vram_budget']:g} | {_engine_label(r)} | {where} | {r.get('prefill_tok_s', 0):.1f} | "
+                     f"{r['decode_tok_s']:.2f} | {sp} | {100 * r.get('fraction_of_bound', 0):.0f}% | {peak} |")
     return "\n".join(lines)
 
 
+def scenario_table(results: list[dict]) -> str:
+    """One row per scenario run (README): hybrid vs the dense engine at the same budget, the roofline."""
+    lines = ["| scenario | model | machine | threads | VRAM budget | hybrid decode tok/s | dense decode tok/s | "
+             "hybrid / dense | hybrid of roofline | dense of roofline | peak device GiB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for d in sorted(results, key=lambda d: (d["scenario"], -d.get("threads", 0))):
+        m = d["machine"]
+        where = f"{m['gpu']} + {m['cpu_threads_available']}-thread CPU" if m.get("gpu") else m["cpu"]
+        for b in sorted({r["vram_budget"] for r in d["runs"]}, reverse=True):
+            h = next((r for r in d["runs"] if r["vram_budget"] == b and r["engine"] == "hybrid"), {})
+            s = next((r for r in d["runs"] if r["vram_budget"] == b and r["engine"] == "layer split"), {})
+
+            def cell(r, key, fmt):
+                return fmt.format(r[key]) if key in r else ("error" if "error" in r else "")
+            ratio = f"{h['decode_tok_s'] / s['decode_tok_s']:.2f}x" if "decode_tok_s" in h and "decode_tok_s" in s else ""
+            peak = max((r.get("peak_device_bytes", 0) for r in (h, s)), default=0)
+            lines.append(" | ".join([
+                f"| {d['scenario'].split(':')[0]}", Path(d["model"]).name, where, str(d.get("threads", "")),
+                "CPU only" if b == 0 else f"{b:g} GiB", cell(h, "decode_tok_s", "{:.2f}"),
+                cell(s, "decode_tok_s", "{:.2f}"), ratio, cell(h, "fraction_of_bound", "{:.0%}"),
+                cell(s, "fraction_of_bound", "{:.0%}"), f"{peak / 2**30:.2f} |" if b else " |"]))
+    return "\n".join(lines)
+
+
+README_BEGIN, README_END = "<!-- scenario-table:begin (hs-bench table --readme) -->", "<!-- scenario-table:end -->"
+
+
+def update_readme(readme: Path, table: str) -> None:
+    """Replace the text between the scenario-table markers of `readme` with `table`."""
+    text = readme.read_text()
+    if README_BEGIN not in text or README_END not in text:
+        raise InputError(f"{readme}: no {README_BEGIN} ... {README_END} markers to put the table between")
+    head, rest = text.split(README_BEGIN, 1)
+    _, tail = rest.split(README_END, 1)
+    tmp = readme.with_name(readme.name + ".part")
+    tmp.write_text(f"{head}{README_BEGIN}\n{table}\n{README_END}{tail}")
+    tmp.replace(readme)
+
+
 def _hybrid_one(cfg: dict) -> dict:
-    """One configuration, in this process: load, prefill 8 tokens, decode, and the bandwidth bound of
-    what each device must read per token for this placement."""
+    """One configuration, in this process: load, one warm-up, then `reps` runs of a `prompt_tokens`
+    prompt and `n_predict` greedy tokens (medians), and the bandwidth bound of what each device must
+    read per token for this placement."""
     from .generate import Generator
     from .hybrid import HybridOptions
     from .loader import open_model
@@ -470,18 +438,27 @@ def _hybrid_one(cfg: dict) -> dict:
     else:
         lm = open_model(cfg["model"], cfg["ngl"])
     load_s = time.perf_counter() - t0
-    prompt = lm.tokenizer.encode("Once upon a time")[:8]
+    n_prompt = cfg.get("prompt_tokens", 8)
+    base = lm.tokenizer.encode("Once upon a time")
+    prompt = (base * (n_prompt // len(base) + 1))[:n_prompt]
     gen = Generator(lm.model, lm.tokenizer, cfg["ctx_size"])  # the KV cache the placement planned for
     sampler = Sampler(SamplingParams(temperature=0))
     for _ in gen.generate(prompt, 4, sampler):  # warm-up (allocator, graphs)
         pass
-    for _ in gen.generate(prompt, cfg["n_predict"], sampler):
-        pass
-    t = gen.timings
-    out = {"decode_tok_s": max(t.gen_tokens - 1, 1) / t.gen_s, "prefill_tok_s": t.prompt_tokens / t.prompt_s,
-           "load_s": round(load_s, 1), "generated": t.gen_tokens}
-    gpu_bytes, cpu_bytes, bound_s = _placement_bytes(lm, cfg)
-    out.update(gpu_bytes_per_token=gpu_bytes, cpu_bytes_per_token=cpu_bytes, bound_tok_s=1 / bound_s,
+    runs = []
+    for _ in range(cfg.get("reps", 1)):
+        for _ in gen.generate(prompt, cfg["n_predict"], sampler):
+            pass
+        t = gen.timings
+        runs.append({"decode_tok_s": max(t.gen_tokens - 1, 1) / t.gen_s, "prefill_tok_s": t.prompt_tokens / t.prompt_s})
+    out = {"decode_tok_s": statistics.median(r["decode_tok_s"] for r in runs),
+           "prefill_tok_s": statistics.median(r["prefill_tok_s"] for r in runs),
+           "load_s": round(load_s, 1), "generated": t.gen_tokens, "prompt_tokens": len(prompt), "reps": runs}
+    layers, head = _placement_bytes(lm, cfg)
+    bound_s = roofline_seconds(layers, head, cfg["gpu_bw"] * 2**30, cfg["cpu_bw"] * 2**30,
+                               overlap=cfg["engine"] == "hybrid")
+    out.update(gpu_bytes_per_token=sum(x[0] for x in layers) + head[0],
+               cpu_bytes_per_token=sum(x[1] for x in layers) + head[1], bound_tok_s=1 / bound_s,
                fraction_of_bound=out["decode_tok_s"] * bound_s)
     if lm.hybrid_report:
         r = lm.hybrid_report
@@ -493,19 +470,39 @@ def _hybrid_one(cfg: dict) -> dict:
     return out
 
 
-def _placement_bytes(lm, cfg) -> tuple[float, float, float]:
-    """Expected bytes each device reads per token (dense blocks whole, FFN neurons by their profile
-    frequency when sparse) and the bound: per layer max(GPU, CPU) time for the hybrid (they overlap),
-    their sum for the layer split (they do not)."""
+SYNC_S = 37e-6  # one device->host plus one host->device hand-over of the hidden state (HARDWARE.md: 17 + 20 us)
+
+
+def roofline_seconds(layers: list[tuple[float, float]], head: tuple[float, float], gpu_bw: float, cpu_bw: float,
+                     overlap: bool, sync_s: float = SYNC_S) -> float:
+    """The bandwidth bound of one decoded token: `layers` holds the (GPU, CPU) bytes each layer reads,
+    `head` the output head's. With `overlap` (the hybrid) a layer costs the slower device's time, plus
+    a sync when both devices work on it; without (the layer split) the two times add. Each change of
+    device between consecutive layers (and into the head) costs a sync too."""
+    total, prev = 0.0, None
+    for gb, cb in list(layers) + [head]:
+        g_s, c_s = (gb / gpu_bw if gb else 0.0), (cb / cpu_bw if cb else 0.0)
+        total += max(g_s, c_s) if overlap else g_s + c_s
+        if overlap and gb and cb:
+            total += sync_s
+        dev = "gpu" if gb >= cb else "cpu"
+        if prev is not None and dev != prev:
+            total += sync_s
+        prev = dev
+    return total
+
+
+def _placement_bytes(lm, cfg) -> tuple[list[tuple[float, float]], tuple[float, float]]:
+    """Expected bytes each device reads per token, per layer (dense blocks whole, FFN neurons by their
+    profile frequency when sparse) and for the head: ([(gpu, cpu)] per layer, (gpu, cpu) head)."""
     from .hybrid import HybridFFN
     model, g = lm.model, lm.gguf
-    gbw, cbw = cfg["gpu_bw"] * 2**30 or 1.0, cfg["cpu_bw"] * 2**30
     freqs = None  # predictor mode: the expected active bytes come from the profile's frequencies
     profile_dir = Path(g.path).with_name(Path(g.path).stem + ".hs-profile")
     if cfg.get("mode") == "predictor" and profile_dir.is_dir():
         from hybridsparse.profiler.activations import load_profile
         freqs = load_profile(profile_dir).frequencies()
-    total_g = total_c = bound = 0.0
+    layers = []
     for i, layer in enumerate(model.layers):
         dev = model.placement.layers[i].type
         names = [n for n in g.tensors if n.startswith(f"blk.{i}.")]
@@ -534,16 +531,9 @@ def _placement_bytes(lm, cfg) -> tuple[float, float, float]:
             cb += f.n_cold * per
         else:
             gb, cb = (gb + ffn_bytes, cb) if dev == "cuda" else (gb, cb + ffn_bytes)
-        total_g, total_c = total_g + gb, total_c + cb
-        bound += max(gb / gbw, cb / cbw) if cfg["engine"] == "hybrid" else gb / gbw + cb / cbw
+        layers.append((gb, cb))
     head = g.tensors.get("output.weight") or g.tensors["token_embd.weight"]
-    if model.placement.head.type == "cuda":
-        total_g += head.nbytes
-        bound += head.nbytes / gbw
-    else:
-        total_c += head.nbytes
-        bound += head.nbytes / cbw
-    return total_g, total_c, bound
+    return layers, ((head.nbytes, 0.0) if model.placement.head.type == "cuda" else (0.0, head.nbytes))
 
 
 def plot_hybrid(d: dict, out: str | Path) -> Path:
@@ -588,9 +578,8 @@ def _plot(args) -> int:
 
 def _table(args) -> int:
     """A markdown table of `hs-bench run` JSON files (the README's benchmark section)."""
-    print("| model | machine | engine | threads | -ngl | prefill tok/s | decode tok/s | decode vs llama.cpp | "
-          "of bandwidth bound |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    header = ["| model | machine | engine | threads | -ngl | prefill tok/s | decode tok/s | decode vs llama.cpp | "
+              "of bandwidth bound |", "|---|---|---|---|---|---|---|---|---|"]
     kernel_files, hybrid_files = [], []
     for path in args.files:
         d = json.loads(Path(path).read_text())
@@ -603,6 +592,8 @@ def _table(args) -> int:
         if "prompt_tokens" not in d:  # an `hs-bench kernels` file: its own table below
             kernel_files.append(d)
             continue
+        while header:
+            print(header.pop(0))
         m = d["machine"]
         where = f"{m['gpu']} + {m['cpu']}" if "gpu" in m and any(r.get("n_gpu_layers", 0) != 0 for r in d["results"]) else m["cpu"]
         for r in d["results"]:
@@ -616,6 +607,13 @@ def _table(args) -> int:
             print(f"| {name} | {where} | {label} | "
                   f"{r['threads']} | {r['n_gpu_layers']} | {r['prefill_tok_s']:.1f} | {r['decode_tok_s']:.1f} | "
                   f"{ratio} | {frac} |")
+    scen = [d for d in hybrid_files if d.get("scenario")]
+    if scen:
+        table = scenario_table(scen)
+        print("\n" + table)
+        if args.readme:
+            update_readme(Path(args.readme), table)
+            print(f"hs-bench: {args.readme}: scenario table replaced", file=sys.stderr)
     for d in hybrid_files:
         print("\n" + hybrid_table(d))
     for d in kernel_files:
@@ -743,6 +741,70 @@ def _kernels(args) -> int:
     return 0
 
 
+SCENARIOS = {  # the issue's S1-S5: a synthetic model, budgets, and which engines
+    "S1": {"what": "ReluFalcon-40B F16 at --vram-budget 24 (PowerInfer's 11x demo)", "model": "relu-falcon-40b",
+           "dtype": "f16", "budgets": "24", "cpu_only": False, "threads": [16], "n": 32},
+    "S2": {"what": "ReluLLaMA-2-70B Q4_0 at --vram-budget 11 (PowerInfer's 2080 Ti setting)",
+           "model": "relu-llama-2-70b", "dtype": "q4_0", "budgets": "11", "cpu_only": False, "threads": [16], "n": 32},
+    "S3": {"what": "ReluLLaMA-2-13B F16 at --vram-budget 8", "model": "relu-llama-2-13b", "dtype": "f16",
+           "budgets": "8", "cpu_only": False, "threads": [16], "n": 64},
+    "S4": {"what": "ReluLLaMA-2-7B F16 all on the GPU (dense split with every layer, and the hybrid)",
+           "model": "relu-llama-2-7b", "dtype": "f16", "budgets": "24", "cpu_only": False, "threads": [16], "n": 128},
+    "S5": {"what": "CPU only, ReluLLaMA-2-7B Q4_0, dense vs sparse, 16 and 2 threads", "model": "relu-llama-2-7b",
+           "dtype": "q4_0", "budgets": "", "cpu_only": True, "threads": [16, 2], "n": 64},
+}
+
+
+def _scenario(args) -> int:
+    """Write the scenario's model in PowerInfer's layout (no transposition at load), run `hybrid` on it for
+    each thread count, remove the model unless --keep."""
+    from .synth import synth_path, write_synth
+    sc = SCENARIOS[args.name]
+    path = synth_path(Path(args.model_dir), sc["model"], sc["dtype"], "powerinfer")
+    made = not path.exists()
+    if made:
+        t0 = time.perf_counter()
+        write_synth(args.model_dir, sc["model"], sc["dtype"], "powerinfer")
+        print(f"hs-bench: wrote {path} ({path.stat().st_size / 2**30:.1f} GiB) in {time.perf_counter() - t0:.0f} s",
+              file=sys.stderr)
+    try:
+        for threads in sc["threads"]:
+            json_path = args.json or f"scenario-{args.name}.json"
+            if len(sc["threads"]) > 1:
+                json_path = str(Path(json_path).with_name(Path(json_path).stem + f"-t{threads}.json"))
+            n = args.n_predict or sc["n"]
+            rc = _hybrid(argparse.Namespace(
+                model=str(path), threads=threads, budgets=sc["budgets"], n_predict=n, prompt_tokens=64,
+                reps=args.reps, mode="predictor", no_ngl=False, no_cpu_only=not sc["cpu_only"],
+                timeout=args.timeout, json=json_path, ctx_size=max(512, -(-(64 + n + 4) // 256) * 256),
+                scenario=f"{args.name}: {sc['what']}"))
+            if rc:
+                return rc
+    finally:
+        if made and not args.keep:  # the model and everything written beside it (profile, GPU index, plan)
+            for p in [path, *path.parent.glob(path.stem + ".*")]:
+                if p.is_dir():
+                    shutil.rmtree(p, ignore_errors=True)
+                elif p.exists():
+                    p.unlink()
+    return 0
+
+
+def add_hybrid_bench_args(p) -> None:
+    p.add_argument("--prompt-tokens", type=int, default=64)
+    p.add_argument("-n", "--n-predict", type=int, default=128)
+    p.add_argument("--reps", type=int, default=1, help="timed runs per configuration, after a warm-up (median)")
+    p.add_argument("-c", "--ctx-size", type=int, default=512,
+                   help="context both engines plan and allocate the KV cache for (llama-bench's habit: "
+                        "the prompt and the generated tokens, rounded up)")
+    p.add_argument("--mode", choices=["predictor", "sampled", "dense"], default="predictor",
+                   help="predictor: the model's predictors choose the rows (synthetic models carry planted "
+                        "ones); sampled: active sets drawn from the profile")
+    p.add_argument("--no-ngl", action="store_true", help="skip the layer-split runs")
+    p.add_argument("--no-cpu-only", action="store_true", help="skip the CPU-only runs")
+    p.add_argument("--timeout", type=float, default=600, help="seconds per configuration")
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="hs-bench", description="Benchmarks (JSON out); see README.")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -755,6 +817,13 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--llama-cpp", action="store_true", help="also run llama.cpp (llama-cpp-python) on the same file")
     run.add_argument("--compare-graphs", action="store_true", help="also run without CUDA graphs")
     run.add_argument("--json", help="write the results here")
+    run.add_argument("--vram-budget", type=float, help="GiB: run the four engines side by side instead (hybrid "
+                     "sparse and the dense layer split at this budget, CPU-only dense and CPU-only sparse), each in "
+                     "its own process, with the roofline (as `hs-bench hybrid --budgets B`)")
+    run.add_argument("--mode", choices=["predictor", "sampled", "dense"], default="predictor",
+                     help="with --vram-budget: how the hybrid chooses active rows (default: %(default)s)")
+    run.add_argument("--no-cpu-only", action="store_true", help="with --vram-budget: skip the CPU-only engines")
+    run.add_argument("--timeout", type=float, default=600, help="with --vram-budget: seconds per engine")
     run.set_defaults(func=_run)
     kern = sub.add_parser("kernels", help="sparse ops: effective GiB/s at several densities, vs bandwidth and torch")
     kern.add_argument("-t", "--threads", type=int, default=default_threads())
@@ -768,6 +837,8 @@ def build_parser() -> argparse.ArgumentParser:
     kern.set_defaults(func=_kernels)
     table = sub.add_parser("table", help="print a markdown table of `run` JSON files")
     table.add_argument("files", nargs="+")
+    table.add_argument("--readme", help="also put the scenario table (files from `hs-bench scenario`) into this "
+                       "README, between its scenario-table markers")
     table.add_argument("--verbose", action="store_true")
     table.set_defaults(func=_table)
     plot = sub.add_parser("plot", help="a PNG bar chart of an `hs-bench hybrid` JSON file")
@@ -779,33 +850,23 @@ def build_parser() -> argparse.ArgumentParser:
     hyb.add_argument("-m", "--model")
     hyb.add_argument("-t", "--threads", type=int, default=default_threads())
     hyb.add_argument("--budgets", default="4,8,11,24", help="VRAM budgets, GiB (default: %(default)s)")
-    hyb.add_argument("-n", "--n-predict", type=int, default=32)
-    hyb.add_argument("-c", "--ctx-size", type=int, default=512,
-                     help="context both engines plan and allocate the KV cache for (llama-bench's habit: "
-                          "the prompt and the generated tokens, rounded up)")
-    hyb.add_argument("--mode", choices=["predictor", "sampled", "dense"], default="predictor",
-                     help="sampled: active sets drawn from the profile (synthetic models)")
-    hyb.add_argument("--no-ngl", action="store_true", help="skip the layer-split runs")
-    hyb.add_argument("--no-cpu-only", action="store_true", help="skip the CPU-only runs")
-    hyb.add_argument("--timeout", type=float, default=600)
+    add_hybrid_bench_args(hyb)
     hyb.add_argument("--json")
     hyb.add_argument("--verbose", action="store_true")
     hyb.set_defaults(func=_hybrid)
-    synth = sub.add_parser("synth", help="write a random model with a real model's shape")
-    synth.add_argument("--shape", choices=sorted(SHAPES), default="llama-7b")
-    synth.add_argument("--dtype", choices=["f16", "f32"], default="f16")
-    synth.add_argument("-o", "--output", required=True)
-    synth.add_argument("--layout", choices=["llama.cpp", "powerinfer"], default="llama.cpp",
-                       help="powerinfer: ffn_down stored transposed (ffn_down_t), as PowerInfer's converter does")
-    synth.add_argument("--activity", choices=["none", "zipf"], default="none", help="zipf: also write an activation "
-                       "profile with published statistics and random predictors beside the model")
-    synth.add_argument("--density", type=float, default=0.11, help="mean share of active neurons (default: "
-                       "%(default)s, ProSparse/TurboSparse)")
-    synth.add_argument("--hot-share", type=float, default=0.3, help="share of neurons carrying 80%% of the "
-                       "activations (default: %(default)s; OPT-30B 0.26, Llama(ReGLU)-70B 0.43)")
-    synth.add_argument("--predictor-width", type=int, default=512)
-    synth.add_argument("--verbose", action="store_true")
-    synth.set_defaults(func=_synth)
+    from .synth import add_parser as add_synth
+    add_synth(sub)
+    scen = sub.add_parser("scenario", help="one of the README's benchmark scenarios S1-S5: write the synthetic model "
+                          "(if missing) and run it side by side")
+    scen.add_argument("name", choices=sorted(SCENARIOS), help="; ".join(f"{k}: {v['what']}" for k, v in SCENARIOS.items()))
+    scen.add_argument("-o", "--model-dir", default="/dev/shm", help="where the model is written (default: %(default)s)")
+    scen.add_argument("--json", help="result file (default: scenario-NAME.json; one per thread count for S5)")
+    scen.add_argument("--keep", action="store_true", help="keep the model file afterwards (default: removed)")
+    scen.add_argument("-n", "--n-predict", type=int, help="generated tokens (default: the scenario's)")
+    scen.add_argument("--reps", type=int, default=1)
+    scen.add_argument("--timeout", type=float, default=540, help="seconds per configuration")
+    scen.add_argument("--verbose", action="store_true")
+    scen.set_defaults(func=_scenario)
     from .bench_serve import add_parser as add_serve
     add_serve(sub, default_threads())
     return ap

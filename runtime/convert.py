@@ -296,16 +296,24 @@ def write_gguf(path: str | os.PathLike, cfg, tensors: Iterable[tuple[str, torch.
                              powerinfer=powerinfer, desc=False)
 
 
-def byte_level_vocab(n_vocab: int = 259) -> dict:
+def byte_level_vocab(n_vocab: int = 259, pair_merges: bool = False) -> dict:
     """Tokenizer metadata for synthetic and test models: a GPT-2 style byte-level BPE with <s>, </s>,
-    the 256 byte symbols, one merge, and filler tokens up to n_vocab."""
+    the 256 byte symbols, one merge, and filler tokens up to n_vocab. With `pair_merges`, as many
+    merges of two lower-case letters or digits as fit come before the fillers, so text tokenizes into
+    ~1300 distinct tokens (synthetic models: many distinct inputs, as real vocabularies give)."""
     from transformers.convert_slow_tokenizer import bytes_to_unicode
     tokens = ["<s>", "</s>"] + list(bytes_to_unicode().values()) + ["Ġt"]
     if n_vocab < len(tokens):
         raise ValueError(f"a byte-level vocabulary needs at least {len(tokens)} tokens, asked for {n_vocab}")
+    merges = ["Ġ t"]
+    if pair_merges:
+        chars = "abcdefghijklmnopqrstuvwxyz0123456789"
+        pairs = [(a, b) for a in "Ġ" + chars for b in chars if (a, b) != ("Ġ", "t")][: n_vocab - len(tokens)]
+        tokens += [a + b for a, b in pairs]
+        merges += [f"{a} {b}" for a, b in pairs]
     tokens += [f"<filler_{i}>" for i in range(n_vocab - len(tokens))]
     return {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "default", "tokenizer.ggml.tokens": tokens,
-            "tokenizer.ggml.token_type": [3, 3] + [1] * (len(tokens) - 2), "tokenizer.ggml.merges": ["Ġ t"],
+            "tokenizer.ggml.token_type": [3, 3] + [1] * (len(tokens) - 2), "tokenizer.ggml.merges": merges,
             "tokenizer.ggml.bos_token_id": 0, "tokenizer.ggml.eos_token_id": 1,
             "tokenizer.ggml.add_bos_token": True}
 

@@ -688,6 +688,8 @@ def _run(args) -> int:
     if not Path(path).is_file():
         raise InputError(f"{path}: no such model file")
     hybrid = hybrid_options(args, path)
+    if hybrid is not None:  # the placement counts the KV cache of every slot against the VRAM budget
+        hybrid.n_ctx = args.ctx_size * args.parallel
 
     def load():
         return open_model(path, -1 if args.n_gpu_layers is None else args.n_gpu_layers,

@@ -11,6 +11,8 @@
 #   (runs before hybrid)
 #   hvar: the graphed step at HS_PROFILE_BUDGET under each of HS_VARIANTS (env settings, ';'-separated)
 #   One 10-minute call fits HS_STAGES=synth13,hybrid,hprof after a build (~5 min with -n 16).
+#   scenario: `hs-bench scenario` for each of HS_SCENARIOS (default "S4 S5"; S1 alone fills a call)
+#   serve: the server's GPU tests, then a 32-client load test of hs-serve on a 7B-shaped model in /dev/shm
 set -uo pipefail
 OUT=${OUT:-gpu-results}
 mkdir -p "$OUT"
@@ -90,4 +92,17 @@ fi
 if [[ $STAGES == *,hybrid,* ]]; then
 hs-bench hybrid -m /dev/shm/llama-13b-f16.gguf --mode sampled -t 16 -n ${HS_N:-24} --budgets ${HS_BUDGETS:-4,8,11,24} \
   --timeout 200 ${HS_HYBRID_ARGS:-} --json "$OUT/hybrid_llama13b_f16${HS_TAG:-}.json" 2>&1 | tail -30
+fi
+if [[ $STAGES == *,scenario,* ]]; then
+for s in ${HS_SCENARIOS:-S4 S5}; do
+  echo "== scenario $s"
+  hs-bench scenario $s -o /dev/shm --json "$OUT/scenario-$s.json" ${HS_SCENARIO_ARGS:-} 2>&1 | grep -v "^hybrid:" | tail -25
+done
+fi
+if [[ $STAGES == *,serve,* ]]; then
+timeout ${HS_TEST_TIMEOUT:-200} python3 -m pytest -q --tb=short -rf tests/gpu/test_server_cuda.py tests/test_server.py 2>&1 \
+  | tee "$OUT/pytest-serve.txt" | tail -15
+[ -f /dev/shm/relu-llama-2-7b-f16-powerinfer.gguf ] || hs-bench synth --shape relu-llama-2-7b --layout powerinfer -o /dev/shm 2>&1 | tail -1
+timeout 300 hs-bench serve -m /dev/shm/relu-llama-2-7b-f16-powerinfer.gguf -t 16 --clients 32 --duration ${HS_SERVE_S:-60} \
+  --single-duration 15 -c 256 --server-args "${HS_SERVE_ARGS:---vram-budget 16}" --json "$OUT/serve-h200-7b.json" 2>&1 | tail -15
 fi

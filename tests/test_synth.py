@@ -1,0 +1,138 @@
+"""hs-bench synth / scenario / the roofline: the planted activation statistics are what the real profiler
+measures on the written model and what its predictors choose; both layouts (and Q4_0) load and run;
+the roofline's arithmetic on a hand-checked case; bad input is one clear error."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from hybridsparse.predictor_training.train import load_predictors, load_samples
+from hybridsparse.profiler import profile as P
+from hybridsparse.profiler.activations import load_profile
+from hybridsparse.runtime import bench
+from hybridsparse.runtime.gguf_file import GGUFFile
+from hybridsparse.runtime.synth import layer_statistics, resolve, write_synth, zipf_frequencies
+
+
+def share80(f: np.ndarray) -> float:
+    f = np.sort(f)[::-1]
+    cum = np.cumsum(f) / f.sum()
+    return (np.searchsorted(cum, 0.8) + 1) / len(f)
+
+
+def _corpus(path):
+    rng = random.Random(0)
+    chars = "abcdefghijklmnopqrstuvwxyz0123456789"
+    text = "\n\n".join(" ".join("".join(rng.choice(chars) for _ in range(rng.randint(2, 8))) for _ in range(60))
+                       for _ in range(700))
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-falcon", "tiny-opt"])
+def test_planted_statistics_are_what_the_profiler_measures_and_the_predictors_choose(tmp_path, name):
+    model = write_synth(tmp_path, name, "f16", predictor_width=128)
+    planted = [f.numpy() for f in load_profile(model.with_name(model.stem + ".hs-profile")).frequencies()]
+    out = tmp_path / "measured"
+    assert P.main(["-m", str(model), "--corpus", str(_corpus(tmp_path / "c.txt")), "--tokens", "16000", "-b", "256",
+                   "--samples", "3000", "-o", str(out), "-ngl", "0"]) == 0
+    measured = [f.numpy() for f in load_profile(out).frequencies()]
+    pairs, thresholds, _ = load_predictors(model.with_name(model.stem + ".predictors.gguf"))
+    for i, (p, m) in enumerate(zip(planted, measured)):
+        # the FFN's own activity (what hs-profile counts on a dense forward pass)
+        assert abs(m.mean() - p.mean()) < 0.006, (i, m.mean(), p.mean())
+        assert abs(share80(m) - share80(p)) < 0.04, (i, share80(m), share80(p))
+        assert np.corrcoef(m, p)[0, 1] > 0.97
+        # the predictors' choice on the same inputs (what the hybrid runtime computes)
+        x, _ = load_samples(out, i)
+        fc1, fc2 = pairs[i]
+        chosen = ((torch.relu(x.float() @ fc1.T) @ fc2.T) >= thresholds[i]).float().mean(0).numpy()
+        assert abs(chosen.mean() - p.mean()) < 0.006, (i, chosen.mean(), p.mean())
+        assert abs(share80(chosen) - share80(p)) < 0.04, (i, share80(chosen), share80(p))
+    # the layers differ (layer-to-layer variation is planted too)
+    assert np.ptp([p.mean() for p in planted]) > 0.01
+
+
+def test_frequencies_have_the_asked_mean_and_head():
+    rng = np.random.default_rng(0)
+    for density, hot in [(0.11, 0.3), (0.10, 0.26), (0.28, 0.43)]:
+        f = zipf_frequencies(20000, density, hot, rng)
+        assert f.max() <= 1.0 and f.min() > 0
+        assert abs(f.mean() - density) < 1e-9
+        assert abs(share80(f) - hot) < 0.002
+    shape = resolve("relu-llama-2-70b")[1]
+    layers = layer_statistics(shape, shape.density, shape.hot_share)
+    assert len(layers) == 80 and abs(np.mean([f.mean() for f in layers]) - shape.density) < 0.01
+
+
+def test_both_layouts_and_q4_0_load_and_run(tmp_path):
+    from hybridsparse.runtime.generate import Generator
+    from hybridsparse.runtime.hybrid import HybridOptions
+    from hybridsparse.runtime.loader import open_model
+    from hybridsparse.runtime.sampling import Sampler, SamplingParams
+    a = write_synth(tmp_path, "tiny-opt", "f16", "llama.cpp", predictor_width=64)
+    b = write_synth(tmp_path, "tiny-opt", "f16", "powerinfer", predictor_width=64)
+    q = write_synth(tmp_path, "tiny", "q4_0", "powerinfer", predictor_width=64)
+    assert a.read_bytes()[:4] == b"GGUF" and b.read_bytes()[:4] == b"PWRI"
+    ga, gb = GGUFFile(a), GGUFFile(b)
+    assert "blk.0.ffn_down.weight" in ga.tensors and "blk.0.ffn_down_t.weight" in gb.tensors
+    assert "blk.0.ffn_down_t.bias" in gb.tensors and "blk.0.fc1.weight" not in ga.tensors
+    assert gb.get("powerinfer.sparse_threshold") == 0.0
+    # the same planted neurons in both: identical up rows and biases, identical predictors
+    for n in ("blk.1.ffn_up.weight", "blk.1.ffn_up.bias", "token_embd.weight"):
+        assert bytes(ga.raw(n).numpy().tobytes()) == bytes(gb.raw(n).numpy().tobytes()), n
+    side, _, _ = load_predictors(a.with_name(a.stem + ".predictors.gguf"))
+    inside, _, _ = load_predictors(b)
+    assert all(torch.equal(x[0], y[0]) and torch.equal(x[1], y[1]) for x, y in zip(side, inside))
+    assert GGUFFile(q).tensors["blk.0.ffn_gate.weight"].qtype.name == "Q4_0"
+    for path in (a, b, q):
+        lm = open_model(path, hybrid=HybridOptions(vram_budget=0.0, mode="predictor", n_ctx=64), log_line=lambda s: None)
+        gen = Generator(lm.model, lm.tokenizer, 64)
+        out = list(gen.generate(lm.tokenizer.encode("ab cd"), 6, Sampler(SamplingParams(temperature=0))))
+        assert gen.timings.gen_tokens == 6 and out
+
+
+def test_roofline_hand_checked():
+    GB = 1e9
+    layers = [(2 * GB, 0.0), (1 * GB, 0.5 * GB), (0.0, 1 * GB)]
+    head = (0.5 * GB, 0.0)
+    gbw, cbw, sync = 1000 * GB, 50 * GB, 40e-6
+    # hybrid (overlap): layer 0 GPU 2 ms; layer 1 max(1 ms, 10 ms) + sync; layer 2 CPU 20 ms, a device change
+    # (GPU -> CPU) + sync; head 0.5 ms after a change back to the GPU + sync
+    expect = 2e-3 + (10e-3 + sync) + (20e-3 + sync) + (0.5e-3 + sync)
+    assert bench.roofline_seconds(layers, head, gbw, cbw, overlap=True, sync_s=sync) == pytest.approx(expect)
+    # the layer split (no overlap): the two devices' times add
+    expect = 2e-3 + (1e-3 + 10e-3) + (20e-3 + sync) + (0.5e-3 + sync)
+    assert bench.roofline_seconds(layers, head, gbw, cbw, overlap=False, sync_s=sync) == pytest.approx(expect)
+
+
+def test_bad_input_is_one_clear_error(tmp_path, capsys):
+    assert bench.main(["synth", "--shape", "llama-9b", "-o", str(tmp_path)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "unknown synthetic model 'llama-9b'" in err[0] and "relu-falcon-40b" in err[0]
+    assert bench.main(["synth", "--shape", "tiny", "--density", "0.5", "--hot-share", "0.2", "-o", str(tmp_path)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "hot share 0.2 cannot carry 80% of a density of 0.5" in err[0]
+    assert not list(tmp_path.glob("*.gguf*"))  # nothing half-written
+    with pytest.raises(SystemExit):
+        bench.main(["scenario", "S9"])
+
+
+def test_scenario_table_goes_into_the_readme(tmp_path):
+    run = {"machine": {"cpu": "X", "gpu": "G", "cpu_threads_available": 16}, "model": "/m/relu-falcon-40b-f16.gguf",
+           "mode": "predictor", "generated_tokens": 32, "threads": 16, "scenario": "S1: Falcon",
+           "runs": [{"engine": "hybrid", "vram_budget": 24.0, "decode_tok_s": 22.0, "fraction_of_bound": 0.8,
+                     "peak_device_bytes": 23 << 30},
+                    {"engine": "layer split", "vram_budget": 24.0, "ngl": 17, "decode_tok_s": 2.0,
+                     "fraction_of_bound": 0.9, "peak_device_bytes": 22 << 30}]}
+    table = bench.scenario_table([run])
+    assert "| S1 | relu-falcon-40b-f16.gguf | G + 16-thread CPU | 16 | 24 GiB | 22.00 | 2.00 | 11.00x | 80% | 90% | 23.00 |" in table
+    readme = tmp_path / "README.md"
+    readme.write_text(f"intro\n{bench.README_BEGIN}\nold\n{bench.README_END}\nrest\n")
+    bench.update_readme(readme, table)
+    text = readme.read_text()
+    assert "old" not in text and "11.00x" in text and text.startswith("intro\n") and text.endswith("rest\n")
