@@ -8,17 +8,18 @@ Planting. Each layer gets a per-neuron probability of firing f_i: a power law wh
 model's published per-token active fraction and whose hottest `hot_share` of neurons carries 80% of
 the activations, varied from layer to layer. Both halves of the runtime then see it:
 
-- The FFN itself (what `hs-profile` measures): neuron i fires when its pre-activation w_i . x (+ b_i)
-  is positive, where x is the normalised FFN input. Over tokens, w_i . x over the random part of x is
-  a zero-mean Gaussian of known spread, so a constant term t_i = spread * Phi^-1(f_i) makes it fire
-  with probability f_i. OPT has an FFN bias: t_i is that bias. Llama and Falcon have none, so x gets a
-  constant channel (dimension 0): Falcon's FFN LayerNorm has bias a and weight 0 there; Llama's token
-  embeddings carry a constant C in column 0 that no layer writes to (row 0 of attn_output and
-  ffn_down are zero), so RMSNorm leaves it at about a = C / rms(x); w_i[0] = t_i / a.
-- The predictors (what the runtime uses to choose rows): logits = fc2 relu(fc1 x) with fc1 reading
-  the random part of x (unit spread per hidden unit) and fc2_i = beta_i / r + eps_i, eps_i a zero-mean
-  row: over tokens the logit is Gaussian with mean beta_i E[relu] and spread |eps_i| sd[relu], so
-  beta_i sets P(logit >= 0) = f_i. Predictor and FFN fire with the same frequencies, independently.
+- The FFN itself (what `hs-profile` measures): neuron i fires when its pre-activation w_i . x is
+  positive, x being the normalised FFN input. Over tokens, w_i . x over the random part of x is a
+  zero-mean Gaussian of known spread, so a constant term t_i = spread * Phi^-1(f_i) makes it fire with
+  probability f_i. The constant comes from a channel of x that never varies (dimension 0): Falcon's and
+  OPT's FFN LayerNorm have bias a and weight 0 there; Llama's token embeddings carry a constant C in
+  column 0 that no layer writes to (row 0 of attn_output and ffn_down are zero), so RMSNorm leaves it
+  at about a = C / rms(x). Then w_i[0] = t_i / a.
+- The predictors (what the runtime uses to choose rows) are exact: the random part of the planted
+  rows has rank R (w_i = G_i B, B: R x d_model), so fc1 = [B; -B; e_0] and fc2_i = [G_i, -G_i, w_i[0]]
+  give fc2 relu(fc1 x) = G_i B x + w_i[0] x_0 = w_i . x: a neuron is predicted active exactly when
+  it fires (up to rounding of the stored weights), as a well-trained predictor of a ReLU model is.
+  Width 2R + 1 (512 by default).
 
 Weights are a pool of random rows tiled down each matrix (quantised once for Q4_0), so tens of GB are
 written in a minute or two; one tensor is in memory at a time (streaming, atomic writer).
@@ -143,43 +144,27 @@ def _ndtri(f: np.ndarray) -> np.ndarray:
     return torch.special.ndtri(torch.from_numpy(np.clip(f, 1e-4, 1 - 1e-4))).numpy()
 
 
-def planted_predictor(freq: np.ndarray, d: int, radius: float, width: int, skip_channel: bool, rng):
-    """fc1 [width, d], fc2 [n_ff, width] whose logits on inputs with a random part of norm `radius`
-    (isotropic over dimensions 1.., or all of them) are >= 0 with probability freq."""
-    fc1 = rng.standard_normal((width, d))
-    if skip_channel:
-        fc1[:, 0] = 0.0
-    n_rand = d - 1 if skip_channel else d
-    fc1 *= (math.sqrt(n_rand) / radius) / np.linalg.norm(fc1, axis=1, keepdims=True)  # h_j ~ N(0, 1) over tokens
-    e, v = 1 / math.sqrt(2 * math.pi), 0.5 - 1 / (2 * math.pi)  # mean and variance of relu(N(0, 1))
-    eps = rng.standard_normal((len(freq), width))
-    eps -= eps.mean(axis=1, keepdims=True)
-    beta = _ndtri(freq) * math.sqrt(v) * np.linalg.norm(eps, axis=1) / e
-    fc2 = eps + (beta / width)[:, None]
-    return fc1.astype(np.float32), fc2.astype(np.float32)
-
-
 # --- weights ---------------------------------------------------------------------------------------
 
 class _Pool:
     """A block of random rows of one width and spread, tiled down a matrix, in the stored type."""
 
-    def __init__(self, cols: int, std: float, qtype: Q, rng, zero_col0: bool = False):
-        rows = (rng.standard_normal((POOL_ROWS, cols)) * std).astype(np.float32)
+    def __init__(self, cols: int, std: float, qtype: Q, rng, zero_col0: bool = False, rows: np.ndarray | None = None):
+        if rows is None:
+            rows = (rng.standard_normal((POOL_ROWS, cols)) * std).astype(np.float32)
         if zero_col0:
             rows[:, 0] = 0.0
-        self.floats, self.qtype = rows, qtype
+        self.floats, self.qtype, self.n = rows, qtype, len(rows)
         self.norm_rest = np.linalg.norm(rows[:, 1:], axis=1)  # spread of each row's random part
         self.stored = _store(rows, qtype)
 
     def tile(self, n: int) -> np.ndarray:
         """A fresh [n, row] array (callers may write to it)."""
-        reps = -(-n // POOL_ROWS)
-        out = np.tile(self.stored, (reps, 1))
+        out = np.tile(self.stored, (-(-n // self.n), 1))
         return out if len(out) == n else out[:n].copy()
 
     def norms(self, n: int) -> np.ndarray:
-        return np.tile(self.norm_rest, -(-n // POOL_ROWS))[:n]
+        return np.tile(self.norm_rest, -(-n // self.n))[:n]
 
     def with_col0(self, col0: np.ndarray) -> np.ndarray:
         """The tiled matrix with column 0 set per row (re-quantising only each row's first block)."""
@@ -190,10 +175,29 @@ class _Pool:
             return out
         from gguf import GGML_QUANT_SIZES
         block, nbytes = GGML_QUANT_SIZES[self.qtype]
-        first = np.tile(self.floats[:, :block], (-(-n // POOL_ROWS), 1))[:n].copy()
+        first = np.tile(self.floats[:, :block], (-(-n // self.n), 1))[:n].copy()
         first[:, 0] = col0
         out[:, :nbytes] = _store(first, self.qtype)
         return out
+
+
+class _PlantedPool(_Pool):
+    """Rows G B of rank R (column 0 zero, set per neuron later) and the exact predictor of w . x."""
+
+    def __init__(self, d: int, rank: int, radius: float, qtype: Q, rng, n_rows: int = 4 * POOL_ROWS):
+        b = rng.standard_normal((rank, d))
+        b[:, 0] = 0.0
+        b *= (math.sqrt(d - 1) / radius) / np.linalg.norm(b, axis=1, keepdims=True)  # b_j . x ~ N(0, 1)
+        g = rng.standard_normal((n_rows, rank)) * (0.02 * radius / math.sqrt(rank))  # rows of ~0.02 per weight
+        self.b, self.g = b.astype(np.float32), g.astype(np.float32)
+        super().__init__(d, 0.0, qtype, rng, zero_col0=True, rows=self.g @ self.b)
+
+    def predictor(self, col0: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """fc1 [2R + 1, d], fc2 [n, 2R + 1] with fc2 relu(fc1 x) = w . x for w = the rows with `col0`."""
+        e0 = np.zeros((1, self.b.shape[1]), np.float32)
+        e0[0, 0] = 1.0
+        g = np.tile(self.g, (-(-len(col0) // self.n), 1))[: len(col0)]
+        return np.vstack([self.b, -self.b, e0]), np.hstack([g, -g, col0[:, None].astype(np.float32)])
 
 
 def _store(arr: np.ndarray, qtype: Q) -> np.ndarray:
@@ -244,10 +248,8 @@ def write_synth(out_dir: str | Path, name: str, dtype: str = "f16", layout: str 
     if s.arch == "llama":
         C = math.sqrt((d - 1) / 3)  # RMSNorm then gives a = C / rms = sqrt(d) / 2, r = sqrt(3 d) / 2
         a, r = math.sqrt(d) / 2, math.sqrt(3 * d) / 2
-    elif s.arch == "falcon":
-        C, a, r = 0.0, math.sqrt(d) / 2, math.sqrt(d)  # the FFN LayerNorm's bias sets channel 0
     else:
-        C, a, r = 0.0, None, math.sqrt(d)  # OPT: the FFN bias; no channel
+        C, a, r = 0.0, math.sqrt(d) / 2, math.sqrt(d)  # Falcon, OPT: the FFN LayerNorm's bias sets channel 0
     # what attention and the FFN add to the residual is kept small (their input norms scale by k; a
     # neuron's firing and the predictors' logits' signs do not depend on that scale), so the residual
     # stays close to the embedding and a and r hold in every layer
@@ -256,18 +258,18 @@ def write_synth(out_dir: str | Path, name: str, dtype: str = "f16", layout: str 
     pools = {
         "embd": _Pool(d, 1.0, qtype, rng, zero_col0=True),
         "q": _Pool(d, 0.02, qtype, rng), "o": _Pool(d, s_o, qtype, rng),
-        "w_in": _Pool(d, 0.02, qtype, rng),  # gate (llama) or up (falcon, opt): the planted rows
+        "w_in": _PlantedPool(d, (predictor_width - 1) // 2, r, qtype, rng),  # gate (llama) or up: planted
         "up": _Pool(d, 0.02, qtype, rng),
         "down": _Pool(ff, s_down, qtype, rng), "down_t": _Pool(d, s_down, qtype, rng, zero_col0=True),
         "head": _Pool(d, 0.02, big, rng),
     }
     if s.arch == "opt":
-        pools["pos"] = _Pool(d, 0.5, qtype, rng)
+        pools["pos"] = _Pool(d, 0.5, qtype, rng, zero_col0=True)
 
-    def planted(i):
+    def col0(i):  # w_i[0]: times the channel's value a, the constant that fires neuron i with f_i
         t = _ndtri(freqs[i])  # in units of the pre-activation's spread over tokens
         spread = pools["w_in"].norms(ff) * r / math.sqrt(d - 1)
-        return (t * spread).astype(np.float32)
+        return (t * spread / a).astype(np.float32)
 
     def embd():
         e = pools["embd"].tile(s.vocab)
@@ -277,6 +279,9 @@ def write_synth(out_dir: str | Path, name: str, dtype: str = "f16", layout: str 
 
     ones, zeros = (lambda: np.ones(d, np.float32)), (lambda: np.zeros(d, np.float32))
     small = lambda: np.full(d, k, np.float32)  # noqa: E731
+    # Falcon's and OPT's FFN LayerNorm: channel 0 held at k a, the rest normalised and scaled by k
+    w2 = lambda: np.concatenate([[0.0], np.full(d - 1, k)]).astype(np.float32)  # noqa: E731
+    b2 = lambda: np.concatenate([[k * a], np.zeros(d - 1)]).astype(np.float32)  # noqa: E731
     T = PlannedTensor
     tensors = [T("token_embd.weight", (s.vocab, d), qtype, embd)]
     if s.arch == "opt":
@@ -296,16 +301,14 @@ def write_synth(out_dir: str | Path, name: str, dtype: str = "f16", layout: str 
                         T(p + "attn_v.weight", (kv_dim, d), qtype, lambda: pools["q"].tile(kv_dim)),
                         T(p + "attn_output.weight", (d, d), qtype, lambda: _zero_row0(pools["o"].tile(d))),
                         T(p + "ffn_norm.weight", (d,), Q.F32, small),
-                        T(p + "ffn_gate.weight", (ff, d), qtype, lambda i=i: pools["w_in"].with_col0(planted(i) / a)),
+                        T(p + "ffn_gate.weight", (ff, d), qtype, lambda i=i: pools["w_in"].with_col0(col0(i))),
                         T(p + "ffn_up.weight", (ff, d), qtype, lambda: pools["up"].tile(ff))]
         elif s.arch == "falcon":
-            w2 = lambda: np.concatenate([[0.0], np.full(d - 1, k)]).astype(np.float32)  # noqa: E731
-            b2 = lambda: np.concatenate([[k * a], np.zeros(d - 1)]).astype(np.float32)  # noqa: E731
             tensors += [T(p + "attn_norm.weight", (d,), Q.F32, small), T(p + "attn_norm.bias", (d,), Q.F32, zeros),
                         T(p + "attn_norm_2.weight", (d,), Q.F32, w2), T(p + "attn_norm_2.bias", (d,), Q.F32, b2),
                         T(p + "attn_qkv.weight", (d + 2 * kv_dim, d), qtype, lambda: pools["q"].tile(d + 2 * kv_dim)),
                         T(p + "attn_output.weight", (d, d), qtype, lambda: _zero_row0(pools["o"].tile(d))),
-                        T(p + "ffn_up.weight", (ff, d), qtype, lambda i=i: pools["w_in"].with_col0(planted(i) / a))]
+                        T(p + "ffn_up.weight", (ff, d), qtype, lambda i=i: pools["w_in"].with_col0(col0(i)))]
         else:
             for n in ("attn_q", "attn_k", "attn_v"):
                 tensors += [T(p + n + ".weight", (d, d), qtype, lambda: pools["q"].tile(d)),
@@ -313,16 +316,16 @@ def write_synth(out_dir: str | Path, name: str, dtype: str = "f16", layout: str 
             tensors += [T(p + "attn_norm.weight", (d,), Q.F32, small), T(p + "attn_norm.bias", (d,), Q.F32, zeros),
                         T(p + "attn_output.weight", (d, d), qtype, lambda: _zero_row0(pools["o"].tile(d))),
                         T(p + "attn_output.bias", (d,), Q.F32, zeros),
-                        T(p + "ffn_norm.weight", (d,), Q.F32, small), T(p + "ffn_norm.bias", (d,), Q.F32, zeros),
-                        T(p + "ffn_up.weight", (ff, d), qtype, lambda: pools["w_in"].tile(ff)),
-                        T(p + "ffn_up.bias", (ff,), Q.F32, lambda i=i: k * planted(i) * math.sqrt(d - 1) / r)]
+                        T(p + "ffn_norm.weight", (d,), Q.F32, w2), T(p + "ffn_norm.bias", (d,), Q.F32, b2),
+                        T(p + "ffn_up.weight", (ff, d), qtype, lambda i=i: pools["w_in"].with_col0(col0(i))),
+                        T(p + "ffn_up.bias", (ff,), Q.F32, lambda: np.zeros(ff, np.float32))]
         if pi:
             tensors.append(T(p + "ffn_down_t.weight", (ff, d), qtype, lambda: pools["down_t"].tile(ff)))
         else:
             tensors.append(T(p + "ffn_down.weight", (d, ff), qtype, lambda: _zero_row0(pools["down"].tile(d))))
         if s.arch == "opt":
             tensors.append(T(p + ("ffn_down_t.bias" if pi else "ffn_down.bias"), (d,), Q.F32, zeros))
-        fc1, fc2 = planted_predictor(freqs[i], d, r, predictor_width, s.arch != "opt", rng)
+        fc1, fc2 = pools["w_in"].predictor(col0(i))
         predictors.append((fc1, fc2))
         if pi:
             tensors += [T(p + "fc1.weight", fc1.shape, Q.F16, lambda x=fc1: x.astype(np.float16)),
@@ -353,8 +356,8 @@ def write_synth(out_dir: str | Path, name: str, dtype: str = "f16", layout: str 
     save_profile(path.with_name(path.stem + ".hs-profile"), [torch.from_numpy(f * tokens) for f in freqs], tokens,
                  {"criterion": "synthetic", "density": density, "hot_share_80": hot_share, "source": s.source})
     if not pi:
-        results = [LayerResult(i, predictor_width, 0.0, 1.0, 1.0, float(freqs[i].mean()), float(freqs[i].mean()),
-                               predictor_width * (d + ff), torch.from_numpy(fc1), torch.from_numpy(fc2))
+        results = [LayerResult(i, fc1.shape[0], 0.0, 1.0, 1.0, float(freqs[i].mean()), float(freqs[i].mean()),
+                               fc1.shape[0] * (d + ff), torch.from_numpy(fc1), torch.from_numpy(fc2))
                    for i, (fc1, fc2) in enumerate(predictors)]
         write_predictors(path.with_name(path.stem + ".predictors.gguf"), results, {"synthetic": True})
     return path

@@ -1,5 +1,5 @@
 """hs-bench synth / scenario / the roofline: the planted activation statistics are what the real profiler
-measures on the written model and what its predictors choose; both layouts (and Q4_0) load and run;
+measures on the written model, and its predictors choose exactly the neurons that fire; both layouts (and Q4_0) load and run;
 the roofline's arithmetic on a hand-checked case; bad input is one clear error."""
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def _corpus(path):
 
 @pytest.mark.parametrize("name", ["tiny", "tiny-falcon", "tiny-opt"])
 def test_planted_statistics_are_what_the_profiler_measures_and_the_predictors_choose(tmp_path, name):
-    model = write_synth(tmp_path, name, "f16", predictor_width=128)
+    model = write_synth(tmp_path, name, "f16", predictor_width=257)
     planted = [f.numpy() for f in load_profile(model.with_name(model.stem + ".hs-profile")).frequencies()]
     out = tmp_path / "measured"
     assert P.main(["-m", str(model), "--corpus", str(_corpus(tmp_path / "c.txt")), "--tokens", "16000", "-b", "256",
@@ -47,10 +47,15 @@ def test_planted_statistics_are_what_the_profiler_measures_and_the_predictors_ch
         assert abs(m.mean() - p.mean()) < 0.006, (i, m.mean(), p.mean())
         assert abs(share80(m) - share80(p)) < 0.04, (i, share80(m), share80(p))
         assert np.corrcoef(m, p)[0, 1] > 0.97
-        # the predictors' choice on the same inputs (what the hybrid runtime computes)
-        x, _ = load_samples(out, i)
+        # the predictors' choice on the same inputs (what the hybrid runtime computes): the neurons that
+        # fire, as a well-trained predictor of a ReLU model chooses them
+        x, packed = load_samples(out, i)
+        fired = torch.from_numpy(np.unpackbits(packed.numpy(), axis=1)[:, :len(p)].astype(bool))
         fc1, fc2 = pairs[i]
-        chosen = ((torch.relu(x.float() @ fc1.T) @ fc2.T) >= thresholds[i]).float().mean(0).numpy()
+        predicted = (torch.relu(x.float() @ fc1.T) @ fc2.T) >= thresholds[i]
+        both = (predicted & fired).sum().item()
+        assert both / fired.sum().item() > 0.998 and both / predicted.sum().item() > 0.998
+        chosen = predicted.float().mean(0).numpy()
         assert abs(chosen.mean() - p.mean()) < 0.006, (i, chosen.mean(), p.mean())
         assert abs(share80(chosen) - share80(p)) < 0.04, (i, share80(chosen), share80(p))
     # the layers differ (layer-to-layer variation is planted too)
