@@ -248,10 +248,13 @@ def _ngl_for_budget(model: Path, budget: int, n_ctx: int) -> int:
     hd = g.get(f"{a}.attention.key_length", d // g.get(f"{a}.attention.head_count"))
     per_layer = [sum(t.nbytes for n, t in g.tensors.items() if n.startswith(f"blk.{i}.")) + 4 * n_ctx * n_kv * hd
                  for i in range(n_layers)]
+    head = (g.tensors.get("output.weight") or g.tensors["token_embd.weight"]).nbytes
     g.close()
     free = budget - CUDA_CONTEXT_BYTES - CUBLAS_WORKSPACE_BYTES - (64 << 20) - int(MARGIN * budget)
     k = 0
     while k < n_layers and sum(per_layer[n_layers - k - 1:]) <= free:
+        k += 1
+    if k == n_layers and sum(per_layer) + head <= free:  # llama.cpp's -ngl n_layers + 1: the output layer too
         k += 1
     return k
 

@@ -96,7 +96,8 @@ fi
 if [[ $STAGES == *,scenario,* ]]; then
 for s in ${HS_SCENARIOS:-S4 S5}; do
   echo "== scenario $s"
-  hs-bench scenario $s -o /dev/shm --json "$OUT/scenario-$s.json" ${HS_SCENARIO_ARGS:-} 2>&1 | grep -v "^hybrid:" | tail -25
+  hs-bench scenario $s -o /dev/shm --json "$OUT/scenario-$s.json" ${HS_SCENARIO_ARGS:-} 2>&1 | tr '\r' '\n' \
+    | grep -v "^hybrid:\|^writing\|^placing\|^ *$" | tail -25
 done
 fi
 if [[ $STAGES == *,serve,* ]]; then
