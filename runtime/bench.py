@@ -312,7 +312,7 @@ def _hybrid(args) -> int:
         m["gpu_read_bandwidth_gib_s"] = round(measure_bandwidth_gib_s("cuda"), 1)
         torch.cuda.empty_cache()
     configs = []
-    for b in ([float(x) for x in args.budgets.split(",")] if gpu else []):
+    for b in ([float(x) for x in args.budgets.split(",") if x.strip()] if gpu else []):
         configs.append({"engine": "hybrid", "vram_budget": b})
         if not args.no_ngl:
             configs.append({"engine": "layer split", "vram_budget": b,

@@ -107,3 +107,8 @@ timeout ${HS_TEST_TIMEOUT:-200} python3 -m pytest -q --tb=short -rf tests/gpu/te
 timeout 300 hs-bench serve -m /dev/shm/relu-llama-2-7b-f16-powerinfer.gguf -t 16 --clients 32 --duration ${HS_SERVE_S:-60} \
   --single-duration 15 -c 256 --server-args "${HS_SERVE_ARGS:---vram-budget 16}" --json "$OUT/serve-h200-7b.json" 2>&1 | tail -15
 fi
+if [[ $STAGES == *,sprobe,* ]]; then  # batched hybrid decode step by step (what hs-serve runs with many clients)
+[ -f /dev/shm/relu-llama-2-7b-f16-powerinfer.gguf ] || hs-bench synth --shape relu-llama-2-7b --layout powerinfer -o /dev/shm 2>&1 | tail -1
+timeout 240 python3 tests/gpu/serve_probe.py /dev/shm/relu-llama-2-7b-f16-powerinfer.gguf ${HS_PROBE_BUDGET:-16} ${HS_PROBE_N:-1 4 32} 2>&1 \
+  | tr '\r' '\n' | grep -v "^placing\|^writing\|^ *$" | tee "$OUT/serve_probe.txt" | tail -30
+fi
