@@ -10,8 +10,8 @@ GET / (a chat page). Errors come in OpenAI's JSON shape with the right status.
 Scheduling (continuous batching): one engine thread owns the model. Each sequence (a request, or
 each of its `n` choices) takes one of `-np` slots, each with its own KV cache; between steps, waiting
 sequences join free slots and finished or disconnected ones leave. A step is one forward pass over
-every active sequence's work: a prompt chunk (at most --batch-size tokens) for those still reading
-their prompt, the sampled token for the others (`CausalLM.forward_batch`: the linear layers, the
+every active sequence's work: prompt chunks for those still reading their prompt (at most
+--batch-size prompt tokens per step in all, oldest sequences first), the sampled token for the others (`CausalLM.forward_batch`: the linear layers, the
 hybrid FFN included, read their weights once for all; attention runs per sequence over its own
 cache), so no request waits behind another for more than one step.
 """
@@ -123,6 +123,8 @@ class Engine:
                 self._wake.clear()
                 continue
             batch: list[tuple[Seq, list[int]]] = []  # every sequence's work of this step, one pass
+            budget = self.n_batch  # prompt tokens of this step, all sequences together (llama.cpp's n_batch),
+            # oldest first: a step stays short, so decoding sequences are never held up by long prompts
             for seq in list(self.active):
                 try:
                     if seq.cancelled:
@@ -131,8 +133,10 @@ class Engine:
                         done = False
                         if seq.echo_logprobs:  # its own pass: the logits of every prompt position
                             done = self._prefill(seq)
-                        else:
-                            batch.append((seq, seq.prompt[seq.fed:seq.fed + self.n_batch]))
+                        elif budget > 0:
+                            chunk = seq.prompt[seq.fed:seq.fed + budget]
+                            budget -= len(chunk)
+                            batch.append((seq, chunk))
                     else:
                         token = self._sample(seq)
                         done = token is None
@@ -664,7 +668,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     ap.add_argument("--port", type=int, default=8080, help="port (default 8080)")
     ap.add_argument("-np", "--parallel", type=int, default=4, help="concurrent sequences (slots, default 4)")
-    ap.add_argument("-b", "--batch-size", type=int, default=512, help="prompt tokens per step (default 512)")
+    ap.add_argument("-b", "--batch-size", type=int, default=512,
+                    help="prompt tokens per step, all sequences together (default 512; lower it to keep decode "
+                         "steps short while long prompts arrive, e.g. 64 for a hybrid placement whose cold "
+                         "neurons are computed by the CPU)")
     ap.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY")
     ap.add_argument("--alias", default=None, help="model name clients use (default: the file name)")
     ap.add_argument("--no-graphs", action="store_true", help="do not capture CUDA graphs for decoding")
@@ -681,6 +688,8 @@ def _run(args) -> int:
         raise InputError(f"-np {args.parallel}: expected 1 to 256 slots")
     if args.ctx_size < 16:
         raise InputError(f"-c {args.ctx_size}: expected at least 16 tokens per slot")
+    if args.batch_size < 1:
+        raise InputError(f"-b {args.batch_size}: expected at least 1 prompt token per step")
     if not 0 < args.port < 65536:
         raise InputError(f"--port {args.port}: expected 1 to 65535")
     use_threads(args.threads)

@@ -294,7 +294,8 @@ def test_serve_flags_are_checked_before_listening(tmp_path, capsys):
     assert S.main(["-m", str(tmp_path / "nope.gguf")]) == 1
     assert "no such model file" in capsys.readouterr().err
     path = tiny_llama(tmp_path / "tiny.gguf")
-    for bad, needle in ((["-np", "0"], "-np 0"), (["-c", "4"], "-c 4"), (["--port", "70000"], "--port 70000")):
+    for bad, needle in ((["-np", "0"], "-np 0"), (["-c", "4"], "-c 4"), (["--port", "70000"], "--port 70000"),
+                        (["-b", "0"], "-b 0")):
         assert S.main(["-m", str(path)] + bad) == 1
         assert needle in capsys.readouterr().err
 
@@ -326,3 +327,52 @@ def test_hybrid_placement_served_in_batches_gives_the_dense_answers(tmp_path, cl
         for t in threads:
             t.join(timeout=60)
     assert got == want
+
+
+def test_a_step_reads_at_most_batch_size_prompt_tokens_and_decoding_goes_on(tmp_path):
+    """Three long prompts arrive while a sequence decodes: with -b 16 no step feeds more than 16 prompt
+    tokens in all (oldest sequence first), the decoding sequence gets a token in every step, and
+    every answer is the one the sequence gets alone."""
+    import asyncio
+
+    from hybridsparse.runtime.loader import open_model
+    from hybridsparse.runtime.sampling import SamplingParams
+    path = tiny_llama(tmp_path / "tiny.gguf")
+    lm = open_model(path, 0)
+    loop = asyncio.new_event_loop()
+    prompts = [list(range(3, 8)), list(range(10, 50)), list(range(20, 60)), list(range(30, 70))]
+
+    def run(engine, which):
+        seqs = [S.Seq(prompts[i], SamplingParams(temperature=0), 12, [], None, asyncio.Queue(), loop) for i in which]
+        for seq in seqs:
+            engine.submit(seq)
+            time.sleep(0.02 if seq is seqs[0] else 0)  # the first one is decoding when the others come
+
+        async def collect(seq):
+            out = []
+            while True:
+                ev = await seq.events.get()
+                if ev.get("finish") or ev.get("error"):
+                    return out
+                out.append(ev["token"])
+        async def all_of():
+            return await asyncio.gather(*(collect(q) for q in seqs))
+        return loop.run_until_complete(all_of())
+
+    solo = []
+    for i in range(4):
+        e = S.Engine(lm, 1, 128, 16, use_graphs=False)
+        solo += run(e, [i])
+        e.close()
+    engine = S.Engine(lm, 4, 128, 16, use_graphs=False)
+    steps = []
+    real_run = engine._run
+    engine._run = lambda batch: (steps.append([(s.fed < len(s.prompt), len(t)) for s, t in batch]), real_run(batch))
+    together = run(engine, [0, 1, 2, 3])
+    engine.close()
+    loop.close()
+    assert together == solo
+    assert max(sum(n for reading, n in st if reading) for st in steps) <= 16
+    assert sum(n for st in steps for reading, n in st if reading) == sum(map(len, prompts))
+    # the steps that fed the long prompts also carried a decode token (the first sequence's, or later ones')
+    assert sum(1 for st in steps if any(r for r, _ in st) and any(not r for r, _ in st)) >= 3
