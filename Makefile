@@ -9,9 +9,10 @@ HF ?=
 OUTTYPE ?= f16
 OUT ?=
 TYPE ?= Q4_0
+S ?= S4
 model_flag = $(if $(MODEL),-m $(MODEL),)
 
-.PHONY: install demo run test test-gpu bench profile train-predictor solve relu-model convert quantize perplexity serve batched clean
+.PHONY: install demo run test test-gpu bench scenario profile train-predictor solve relu-model convert quantize perplexity serve batched clean
 
 install:  ## install the package (editable) and build the compiled kernels
 	$(PIP) install -e '.[test]'
@@ -31,6 +32,9 @@ test-gpu:  ## the GPU tests alone (on a CUDA machine)
 
 bench:  ## decode/prefill speed of hs-run (JSON under bench-results/)
 	hs-bench run $(model_flag) $(ARGS)
+
+scenario:  ## make scenario S=S1: a benchmark scenario (S1-S5) on a synthetic real-scale model (GPU machine)
+	hs-bench scenario $(S) --json bench-results/scenario-$(S).json $(ARGS)
 
 profile:  ## make profile MODEL=path.gguf [TOKENS=50000]: activation counts + plot next to the model
 	hs-profile $(model_flag) --tokens $(TOKENS) --plot $(ARGS)
