@@ -64,6 +64,25 @@ def test_sparse_axpy(qtype, which, n_threads, threads):
     torch.testing.assert_close(y, kernels.sparse_axpy_reference(w, qtype, h, idx), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q8_0, Q.Q4_K, Q.F16, Q.BF16])
+@pytest.mark.parametrize("which", ["empty", "all", "unsorted", "none"])
+def test_many_tokens_take_gathered_slices_and_gemm(qtype, which, monkeypatch):
+    """From CPU_SPARSE_GEMM_TOKENS tokens the sparse row-dot and axpy gather a slice of the listed rows
+    at a time and use torch's GEMM: the same results as the twins (here from 5 tokens, slices of 8 rows)."""
+    monkeypatch.setattr(kernels, "CPU_SPARSE_GEMM_TOKENS", 5)
+    monkeypatch.setattr(kernels, "_CPU_GEMM_CHUNK_ROWS", 8)
+    w = random_rows(qtype, N_ROWS, _cols(qtype), seed=11)
+    K = dequantize(w[:1], qtype).shape[1]
+    idx = index_sets(N_ROWS)[which]
+    m = N_ROWS if idx is None else idx.numel()
+    x, h = torch.randn(6, K), torch.randn(6, m)
+    torch.testing.assert_close(kernels.sparse_rowdot(w, qtype, x, idx),
+                               kernels.sparse_rowdot_reference(w, qtype, x, idx), rtol=1e-4, atol=1e-4)
+    if qtype in AXPY_TYPES:
+        torch.testing.assert_close(kernels.sparse_axpy(w, qtype, h, idx),
+                                   kernels.sparse_axpy_reference(w, qtype, h, idx), rtol=1e-4, atol=1e-4)
+
+
 VARIANTS = [("silu", True, False), ("relu", True, False), ("relu", True, True), ("gelu", True, False),
             ("relu", False, False), ("gelu_erf", False, False)]
 
