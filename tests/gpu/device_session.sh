@@ -26,6 +26,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 ( time python3 -m hybridsparse.runtime.kernels ) 2>&1 | tail -4
 
 STAGES=",${HS_STAGES:-tests,small},"
+M13=/dev/shm/relu-llama-2-13b-f16-powerinfer.gguf  # synth13's model (planted statistics, exact predictors)
 if [[ $STAGES == *,htests,* ]]; then  # the hybrid runtime's GPU tests and the CPU ops they stand on
   timeout ${HS_TEST_TIMEOUT:-300} python3 -m pytest -q --tb=short -rf ${HS_TEST_ARGS:-tests/gpu/test_hybrid_cuda.py tests/gpu/test_pipeline_cuda.py tests/test_sparse_ops.py} 2>&1 \
     | tee "$OUT/pytest-hybrid.txt" | tail -25
@@ -61,36 +62,36 @@ write_gguf("/dev/shm/gemma3-270m-shape-f16.gguf", cfg, m.state_dict().items(), d
 PY
 hs-bench run -m /dev/shm/gemma3-270m-shape-f16.gguf --compare-graphs --reps 3 --json "$OUT/bench_gemma_shape_gpu.json" 2>&1 | tail -4
 hs-bench synth --shape llama-7b --dtype f16 -o /dev/shm 2>&1 | tail -1
-hs-bench run -m /dev/shm/llama-7b-f16.gguf --reps 3 --json "$OUT/bench_llama7b_f16_gpu.json" 2>&1 | tail -4
-python3 tests/gpu/profile_decode.py /dev/shm/llama-7b-f16.gguf 2>&1 | tee "$OUT/profile_llama7b.txt" | tail -30
-HS_CUDA_GEMV=cublas hs-bench run -m /dev/shm/llama-7b-f16.gguf --reps 3 --json "$OUT/bench_llama7b_f16_gpu_cublas.json" 2>&1 | tail -4
-rm -f /dev/shm/llama-7b-f16.gguf
+hs-bench run -m /dev/shm/relu-llama-2-7b-f16.gguf --reps 3 --json "$OUT/bench_llama7b_f16_gpu.json" 2>&1 | tail -4
+python3 tests/gpu/profile_decode.py /dev/shm/relu-llama-2-7b-f16.gguf 2>&1 | tee "$OUT/profile_llama7b.txt" | tail -30
+HS_CUDA_GEMV=cublas hs-bench run -m /dev/shm/relu-llama-2-7b-f16.gguf --reps 3 --json "$OUT/bench_llama7b_f16_gpu_cublas.json" 2>&1 | tail -4
+rm -f /dev/shm/relu-llama-2-7b-f16.gguf
 fi
 if [[ $STAGES == *,split,* ]]; then
 # the dense layer split at ~8 GiB of VRAM (HARDWARE.md's llama.cpp setting for this shape: -ngl 11)
 hs-bench synth --shape llama-13b --dtype f16 -o /dev/shm 2>&1 | tail -1
-hs-bench run -m /dev/shm/llama-13b-f16.gguf -ngl 11 -t 16 --reps 1 -n 32 --json "$OUT/bench_llama13b_f16_ngl11.json" 2>&1 | tail -4
-hs-bench run -m /dev/shm/llama-13b-f16.gguf -ngl 0 -t 16 --reps 1 -n 32 --json "$OUT/bench_llama13b_f16_cpu.json" 2>&1 | tail -4
-rm -f /dev/shm/llama-13b-f16.gguf
+hs-bench run -m /dev/shm/relu-llama-2-13b-f16.gguf -ngl 11 -t 16 --reps 1 -n 32 --json "$OUT/bench_llama13b_f16_ngl11.json" 2>&1 | tail -4
+hs-bench run -m /dev/shm/relu-llama-2-13b-f16.gguf -ngl 0 -t 16 --reps 1 -n 32 --json "$OUT/bench_llama13b_f16_cpu.json" 2>&1 | tail -4
+rm -f /dev/shm/relu-llama-2-13b-f16.gguf
 fi
 if [[ $STAGES == *,synth13,* ]]; then
-[ -f /dev/shm/llama-13b-f16.gguf ] || ( time hs-bench synth --shape llama-13b --dtype f16 --layout powerinfer --activity zipf -o /dev/shm ) 2>&1 | tail -4
+[ -f $M13 ] || ( time hs-bench synth --shape llama-13b --dtype f16 --layout powerinfer -o /dev/shm ) 2>&1 | tail -4
 ls -la /dev/shm
 fi
 if [[ $STAGES == *,hprof,* ]]; then
-HS_HYBRID_TIMING=1 timeout 150 python3 tests/gpu/profile_hybrid.py /dev/shm/llama-13b-f16.gguf ${HS_PROFILE_BUDGET:-11} 2>&1 \
+HS_HYBRID_TIMING=1 timeout 150 python3 tests/gpu/profile_hybrid.py $M13 ${HS_PROFILE_BUDGET:-11} 2>&1 \
   | grep -v "^hybrid:\|placing layers" | head -60 | tee "$OUT/profile_hybrid.txt"
 fi
 if [[ $STAGES == *,hvar,* ]]; then  # the graphed step under OpenMP/thread variants, side by side
 IFS=';' read -ra variants <<< "${HS_VARIANTS:-HS_THREADS=16;OMP_WAIT_POLICY=active;OMP_PROC_BIND=close OMP_PLACES=cores;HS_THREADS=15 OMP_WAIT_POLICY=active}"
 for v in "${variants[@]}"; do
   echo "== $v" | tee -a "$OUT/profile_variants.txt"
-  env $v HS_PROFILE_MODES=${HS_PROFILE_MODES:-graphs} timeout 90 python3 tests/gpu/profile_hybrid.py /dev/shm/llama-13b-f16.gguf \
+  env $v HS_PROFILE_MODES=${HS_PROFILE_MODES:-graphs} timeout 90 python3 tests/gpu/profile_hybrid.py $M13 \
     ${HS_PROFILE_BUDGET:-11} 2>&1 | grep "per token" | tee -a "$OUT/profile_variants.txt"
 done
 fi
 if [[ $STAGES == *,hybrid,* ]]; then
-hs-bench hybrid -m /dev/shm/llama-13b-f16.gguf --mode sampled -t 16 -n ${HS_N:-24} --budgets ${HS_BUDGETS:-4,8,11,24} \
+hs-bench hybrid -m $M13 --mode ${HS_MODE:-predictor} -t 16 -n ${HS_N:-24} --budgets ${HS_BUDGETS:-4,8,11,24} \
   --timeout 200 ${HS_HYBRID_ARGS:-} --json "$OUT/hybrid_llama13b_f16${HS_TAG:-}.json" 2>&1 | tail -30
 fi
 if [[ $STAGES == *,scenario,* ]]; then
