@@ -19,6 +19,14 @@ constexpr int AXPY_GROUP = 4;  // rows per pass of the grouped axpy (below)
 
 // ---- activation quantization (see ActQ8): round half away from zero ------------------------------
 
+// lround for |v| < 2^23 without a libm call (so the loops below vectorise): truncate, then move a
+// fraction of at least one half away from zero (v - trunc(v) is exact in that range)
+inline int32_t round_half_away(float v) {
+  const int32_t t = static_cast<int32_t>(v);
+  const float frac = v - static_cast<float>(t);
+  return t + (frac >= 0.5f) - (frac <= -0.5f);
+}
+
 template <int N>
 inline float quantize_two_planes(const float* x, int8_t (*qs)[N]) {
   float amax = 0.f;
@@ -26,9 +34,9 @@ inline float quantize_two_planes(const float* x, int8_t (*qs)[N]) {
   const float d0 = amax / 127.f, id0 = d0 != 0.f ? 1.f / d0 : 0.f;
   const float id1 = id0 * PLANE_SHIFT;
   for (int i = 0; i < N; ++i) {
-    const long q0 = std::lround(x[i] * id0);
+    const int32_t q0 = round_half_away(x[i] * id0);
     qs[0][i] = static_cast<int8_t>(q0);
-    qs[1][i] = static_cast<int8_t>(std::lround((x[i] - d0 * static_cast<float>(q0)) * id1));
+    qs[1][i] = static_cast<int8_t>(round_half_away((x[i] - d0 * static_cast<float>(q0)) * id1));
   }
   return d0 / PLANE_SHIFT;
 }
