@@ -440,9 +440,12 @@ bool fused_enabled() {  // read per call (tens of ns): benchmarks switch it with
 bool sparse_ffn_fused_cpu(const at::Tensor& x, const at::Tensor& up, int64_t up_type,
                           const c10::optional<at::Tensor>& gate, int64_t gate_type, const at::Tensor& down_t,
                           int64_t down_type, const at::Tensor& idx, const c10::optional<at::Tensor>& up_bias,
-                          int64_t act, bool act_on_up, at::Tensor& y_out, at::Tensor& h_out) {
+                          int64_t act, bool act_on_up, at::Tensor& y_out, at::Tensor& h_out,
+                          const c10::optional<at::Tensor>& mask) {
 #ifdef HS_X86
-  if (!fused_enabled() || !cpu_has_avx2() || x.dim() != 2 || x.size(0) != 1 || act < 0 || act > 3) return false;
+  const bool masked = mask.has_value() && mask->defined();
+  if (!fused_enabled() || !cpu_has_avx2() || x.dim() != 2 || act < 0 || act > 3) return false;
+  if (x.size(0) != 1 && !masked) return false;  // several tokens: the per-token form only
   const bool gated = gate.has_value() && gate->defined();
   if (gated && gate_type != up_type) return false;
   if (up_type != F16 && up_type != Q8_0 && up_type != Q4_0 && up_type != Q5_0) return false;
@@ -451,10 +454,13 @@ bool sparse_ffn_fused_cpu(const at::Tensor& x, const at::Tensor& up, int64_t up_
   pick_axpy(down_type, direct, group);
   if (!group) return false;
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(), "sparse_ffn: x must be contiguous float32");
-  const int64_t K = x.size(1);
+  const int64_t T = x.size(0), K = x.size(1);
   check_weight(up, up_type, K, "sparse_ffn");
   if (gated) check_weight(*gate, gate_type, K, "sparse_ffn");
   const int64_t M = check_rows(idx, up.size(0), "sparse_ffn");
+  if (masked)
+    TORCH_CHECK(mask->scalar_type() == at::kBool && mask->dim() == 2 && mask->size(0) == T && mask->size(1) == M &&
+                    mask->is_contiguous(), "sparse_ffn: the per-token mask must be a contiguous bool [", T, ", ", M, "]");
   const int dbe = block_elems(down_type), dbb = block_bytes(down_type);
   const int64_t drow = down_t.size(1) * down_t.element_size(), D = drow / dbb * dbe;
   check_weight(down_t, down_type, D, "sparse_ffn");
@@ -464,20 +470,21 @@ bool sparse_ffn_fused_cpu(const at::Tensor& x, const at::Tensor& up, int64_t up_
   if (has_bias)
     TORCH_CHECK(up_bias->dim() == 1 && up_bias->size(0) == up.size(0) && up_bias->scalar_type() == at::kFloat &&
                     up_bias->is_contiguous(), "sparse_ffn: up bias must be float32 [n_ff]");
-  y_out = at::zeros({1, D}, x.options());
-  h_out = at::empty({1, M}, x.options());
-  if (M == 0) return true;
+  y_out = at::zeros({T, D}, x.options());
+  h_out = at::zeros({T, M}, x.options());
+  if (M == 0 || T == 0) return true;
 
   const float* xp = x.data_ptr<float>();
   std::vector<ActQ8> act32;
   DotQ8 dq = nullptr;
   DotF df = nullptr;
+  const int64_t nb = K / QK;
   if (up_type == F16) {
     df = pick_float(F16);
   } else {
     dq = pick_q8(up_type);
-    act32.resize(K / QK);
-    quantize_act_q8(xp, act32.data(), K);
+    act32.resize(T * nb);
+    for (int64_t t = 0; t < T; ++t) quantize_act_q8(xp + t * K, act32.data() + t * nb, K);
   }
   const int64_t rb = up.size(1) * up.element_size();
   const uint8_t* upp = static_cast<const uint8_t*>(up.data_ptr());
@@ -485,14 +492,15 @@ bool sparse_ffn_fused_cpu(const at::Tensor& x, const at::Tensor& up, int64_t up_
   const uint8_t* dp = static_cast<const uint8_t*>(down_t.data_ptr());
   const float* bp = has_bias ? up_bias->data_ptr<float>() : nullptr;
   const int32_t* ip = idx.data_ptr<int32_t>();
+  const bool* mp = masked ? mask->data_ptr<bool>() : nullptr;
   float* hp = h_out.data_ptr<float>();
   // at least 8 neurons a thread: fewer is not worth waking a thread for
   const int n_threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), M / 8)));
-  std::vector<float> partial(static_cast<size_t>(n_threads) * D);
+  std::vector<float> partial(static_cast<size_t>(n_threads) * T * D);
   at::parallel_for(0, n_threads, 1, [&](int64_t tb, int64_t te) {
     for (int64_t tid = tb; tid < te; ++tid) {
-      float* acc = partial.data() + tid * D;
-      std::fill(acc, acc + D, 0.f);
+      float* acc = partial.data() + tid * T * D;
+      std::fill(acc, acc + T * D, 0.f);
       const void* rows[AXPY_GROUP];
       float sc[AXPY_GROUP];
       int n_group = 0;
@@ -500,23 +508,33 @@ bool sparse_ffn_fused_cpu(const at::Tensor& x, const at::Tensor& up, int64_t up_
       for (int64_t k = r0; k < r1; ++k) {
         const int64_t r = ip[k];
         const uint8_t* ur = upp + r * rb;
-        float u = df ? df(ur, xp, K) : dq(ur, act32.data(), K / QK);
-        if (bp) u += bp[r];
-        float h;
-        if (gated) {
-          const uint8_t* gr = gp + r * rb;
-          const float g = df ? df(gr, xp, K) : dq(gr, act32.data(), K / QK);
-          h = act_scalar(g, act) * (act_on_up ? act_scalar(u, act) : u);
-        } else {
-          h = act_scalar(u, act);
-        }
-        hp[k] = h;
-        if (h == 0.f) continue;  // a ReLU neuron that did not fire costs no down row
-        rows[n_group] = dp + r * drow;
-        sc[n_group++] = h;
-        if (n_group == AXPY_GROUP) {
-          group(sc, rows, acc, D);
-          n_group = 0;
+        const uint8_t* gr = gated ? gp + r * rb : nullptr;
+        // each listed row is read once; only the tokens that need the neuron compute with it
+        for (int64_t t = 0; t < T; ++t) {
+          if (mp && !mp[t * M + k]) continue;
+          const float* xt = xp + t * K;
+          const ActQ8* at = dq ? act32.data() + t * nb : nullptr;
+          float u = df ? df(ur, xt, K) : dq(ur, at, nb);
+          if (bp) u += bp[r];
+          float h;
+          if (gated) {
+            const float g = df ? df(gr, xt, K) : dq(gr, at, nb);
+            h = act_scalar(g, act) * (act_on_up ? act_scalar(u, act) : u);
+          } else {
+            h = act_scalar(u, act);
+          }
+          hp[t * M + k] = h;
+          if (h == 0.f) continue;  // a ReLU neuron that did not fire costs no down row
+          if (T > 1) {  // several tokens: the row straight into that token's sum
+            direct(h, dp + r * drow, acc + t * D, D);
+            continue;
+          }
+          rows[n_group] = dp + r * drow;
+          sc[n_group++] = h;
+          if (n_group == AXPY_GROUP) {
+            group(sc, rows, acc, D);
+            n_group = 0;
+          }
         }
       }
       for (int j = 0; j < n_group; ++j) direct(sc[j], rows[j], acc, D);
@@ -524,16 +542,17 @@ bool sparse_ffn_fused_cpu(const at::Tensor& x, const at::Tensor& up, int64_t up_
   });
   float* yp = y_out.data_ptr<float>();
   // the threads' sums added slice by slice (16 x 5120 floats for a 13B layer: ~30 us on one thread)
-  at::parallel_for(0, D, std::max<int64_t>(256, D / std::max(1, n_threads)), [&](int64_t b, int64_t e) {
+  const int64_t TD = T * D;
+  at::parallel_for(0, TD, std::max<int64_t>(256, TD / std::max(1, n_threads)), [&](int64_t b, int64_t e) {
     for (int tid = 0; tid < n_threads; ++tid) {
-      const float* p = partial.data() + static_cast<int64_t>(tid) * D;
+      const float* p = partial.data() + static_cast<int64_t>(tid) * TD;
       for (int64_t i = b; i < e; ++i) yp[i] += p[i];
     }
   });
   return true;
 #else
   (void)x; (void)up; (void)up_type; (void)gate; (void)gate_type; (void)down_t; (void)down_type; (void)idx;
-  (void)up_bias; (void)act; (void)act_on_up; (void)y_out; (void)h_out;
+  (void)up_bias; (void)act; (void)act_on_up; (void)y_out; (void)h_out; (void)mask;
   return false;
 #endif
 }

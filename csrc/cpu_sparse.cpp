@@ -19,7 +19,8 @@ at::Tensor gated_act_cpu(const at::Tensor& gate, const at::Tensor& up, int64_t a
 bool sparse_ffn_fused_cpu(const at::Tensor& x, const at::Tensor& up, int64_t up_type,
                           const c10::optional<at::Tensor>& gate, int64_t gate_type, const at::Tensor& down_t,
                           int64_t down_type, const at::Tensor& idx, const c10::optional<at::Tensor>& up_bias,
-                          int64_t act, bool act_on_up, at::Tensor& y_out, at::Tensor& h_out);
+                          int64_t act, bool act_on_up, at::Tensor& y_out, at::Tensor& h_out,
+                          const c10::optional<at::Tensor>& mask);
 
 std::tuple<at::Tensor, at::Tensor> sparse_ffn_cpu(const at::Tensor& x, const at::Tensor& up, int64_t up_type,
                                                   const c10::optional<at::Tensor>& gate, int64_t gate_type,
@@ -30,7 +31,8 @@ std::tuple<at::Tensor, at::Tensor> sparse_ffn_cpu(const at::Tensor& x, const at:
   const bool gated = gate.has_value() && gate->defined();
   if (idx.has_value() && idx->defined()) {  // decoding: one fused pass per neuron (cpu_matmul.cpp)
     at::Tensor y, h;
-    if (sparse_ffn_fused_cpu(x, up, up_type, gate, gate_type, down_t, down_type, *idx, up_bias, act, act_on_up, y, h))
+    if (sparse_ffn_fused_cpu(x, up, up_type, gate, gate_type, down_t, down_type, *idx, up_bias, act, act_on_up, y, h,
+                             c10::nullopt))
       return {y, h};
   }
   std::vector<at::Tensor> ws;
@@ -49,6 +51,39 @@ std::tuple<at::Tensor, at::Tensor> sparse_ffn_cpu(const at::Tensor& x, const at:
     u.add_(idx.has_value() && idx->defined() ? up_bias->index_select(0, idx->to(at::kLong)) : *up_bias);
   }
   at::Tensor h = gated ? gated_act_cpu(rows[0], u, act, act_on_up) : gated_act_cpu(u, at::ones_like(u), act, false);
+  return {sparse_axpy_cpu(down_t, down_type, h, idx), h};
+}
+
+// Several tokens over the union idx of their active sets, token t using only the neurons where
+// mask[t, k] (batched decode, short prompts): each listed row read once, and only the (token, neuron)
+// pairs the mask keeps computed (the union form computes every pair, the per-token form reads shared
+// rows once per token). h is 0 outside the mask.
+std::tuple<at::Tensor, at::Tensor> sparse_ffn_masked_cpu(const at::Tensor& x, const at::Tensor& up, int64_t up_type,
+                                                         const c10::optional<at::Tensor>& gate, int64_t gate_type,
+                                                         const at::Tensor& down_t, int64_t down_type,
+                                                         const at::Tensor& idx, const at::Tensor& mask,
+                                                         const c10::optional<at::Tensor>& up_bias, int64_t act,
+                                                         bool act_on_up) {
+  at::Tensor y, h;
+  if (sparse_ffn_fused_cpu(x, up, up_type, gate, gate_type, down_t, down_type, idx, up_bias, act, act_on_up, y, h,
+                           mask))
+    return {y, h};
+  TORCH_CHECK(mask.scalar_type() == at::kBool && mask.dim() == 2 && mask.size(0) == x.size(0) &&
+                  mask.size(1) == idx.numel(), "sparse_ffn: the per-token mask must be bool [tokens, |idx|]");
+  std::vector<at::Tensor> ws;
+  std::vector<int64_t> types;
+  const bool gated = gate.has_value() && gate->defined();
+  if (gated) {
+    ws.push_back(*gate);
+    types.push_back(gate_type);
+  }
+  ws.push_back(up);
+  types.push_back(up_type);
+  auto rows = qmatmul_rows_cpu(ws, types, x, std::vector<c10::optional<at::Tensor>>(ws.size(), idx));
+  at::Tensor u = rows.back();
+  if (up_bias.has_value() && up_bias->defined()) u.add_(up_bias->index_select(0, idx.to(at::kLong)));
+  h = gated ? gated_act_cpu(rows[0], u, act, act_on_up) : gated_act_cpu(u, at::ones_like(u), act, false);
+  h.mul_(mask.to(at::kFloat));
   return {sparse_axpy_cpu(down_t, down_type, h, idx), h};
 }
 

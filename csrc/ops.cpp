@@ -17,6 +17,12 @@ std::tuple<at::Tensor, at::Tensor> sparse_ffn_cpu(const at::Tensor& x, const at:
                                                   const c10::optional<at::Tensor>& idx,
                                                   const c10::optional<at::Tensor>& up_bias, int64_t act,
                                                   bool act_on_up);
+std::tuple<at::Tensor, at::Tensor> sparse_ffn_masked_cpu(const at::Tensor& x, const at::Tensor& up, int64_t up_type,
+                                                         const c10::optional<at::Tensor>& gate, int64_t gate_type,
+                                                         const at::Tensor& down_t, int64_t down_type,
+                                                         const at::Tensor& idx, const at::Tensor& mask,
+                                                         const c10::optional<at::Tensor>& up_bias, int64_t act,
+                                                         bool act_on_up);
 at::Tensor sparse_rowdot_cpu(const at::Tensor& w, int64_t qtype, const at::Tensor& x,
                              const c10::optional<at::Tensor>& idx, const c10::optional<at::Tensor>& mask);
 at::Tensor qmatmul_t_cpu(const at::Tensor& w, int64_t qtype, const at::Tensor& h);
@@ -80,6 +86,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("sparse_rowdot", &hs::sparse_rowdot_cpu, "y = x . W[idx]^T, masked-out rows 0");
   m.def("sparse_axpy", &hs::sparse_axpy_cpu, "y = h . W_t[idx] (idx None: all rows)");
   m.def("sparse_ffn", &hs::sparse_ffn_cpu, "the FFN over the neurons idx (None: all); returns (y, h)");
+  m.def("sparse_ffn_masked", &hs::sparse_ffn_masked_cpu,
+        "several tokens over the neurons idx, token t only where mask[t, k]; returns (y, h)");
   m.def("qmatmul_t", &hs::qmatmul_t_cpu);
   m.def("rms_norm", &hs::rms_norm_cpu);
   m.def("rope_", &hs::rope_cpu);

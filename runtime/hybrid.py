@@ -352,6 +352,11 @@ class HybridFFN:
                                       self.down_t.qtype, idx, w.up_bias, spec.activation, spec.act_on_up)
             return y
         down = self.down_t
+        if x.shape[0] < kernels.CPU_SPARSE_GEMM_TOKENS:  # each union row read once, each token's own pairs only
+            y, _ = kernels.sparse_ffn_masked(x, w.up.data, w.up.qtype, None if gate is None else gate.data,
+                                             gate.qtype if gate is not None else w.up.qtype, down.data, down.qtype,
+                                             idx, tok.contiguous(), w.up_bias, spec.activation, spec.act_on_up)
+            return y
         return self._masked_ffn(w.up, gate, None if w.up_bias is None else w.up_bias[idx.long()], tok,
                                 lambda q: kernels.sparse_rowdot(q.data, q.qtype, x, idx, check=False),
                                 lambda h: kernels.sparse_axpy(down.data, down.qtype, h, idx, check=False))

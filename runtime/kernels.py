@@ -490,6 +490,38 @@ def sparse_ffn(x, up, up_type, gate, gate_type, down_t, down_type, idx, up_bias=
                                 act_on_up)
 
 
+def sparse_ffn_masked_reference(x, up, up_type, gate, gate_type, down_t, down_type, idx, mask, up_bias=None,
+                                activation="relu", act_on_up=False):
+    """Twin of `sparse_ffn_masked`: the FFN over the neurons idx with token t's h kept where mask[t]."""
+    from .layers import ACTIVATIONS
+    act = ACTIVATIONS[activation]
+    u = sparse_rowdot_reference(up, up_type, x, idx)
+    if up_bias is not None:
+        u = u + up_bias[idx.long()]
+    h = act(sparse_rowdot_reference(gate, gate_type, x, idx)) * (act(u) if act_on_up else u) \
+        if gate is not None else act(u)
+    h = h * mask.to(h.dtype)
+    return sparse_axpy_reference(down_t, down_type, h, idx), h
+
+
+def sparse_ffn_masked(x, up, up_type, gate, gate_type, down_t, down_type, idx, mask, up_bias=None,
+                      activation="relu", act_on_up=False):
+    """Several tokens over the union idx of their active sets, token t only with the neurons where
+    mask[t, k] (bool [T, |idx|]): (y [T, d_model], h [T, |idx|], 0 outside the mask). On the CPU each
+    listed row is read once and only the kept (token, neuron) pairs are computed."""
+    validate_matmul(up, up_type, x, "sparse_ffn")
+    _check_index(idx, up.shape[0], "sparse_ffn")
+    if mask.dtype != torch.bool or mask.shape != (x.shape[0], idx.numel()):
+        raise ValueError(f"sparse_ffn: the per-token mask must be bool [{x.shape[0]}, {idx.numel()}], got "
+                         f"{mask.dtype} {list(mask.shape)}")
+    if use_cpu_op(x) and cpu_ffn_reads(up_type, None if gate is None else gate_type, down_type):
+        return cpu.sparse_ffn_masked(x.contiguous(), up, int(up_type), gate, int(gate_type) if gate is not None else 0,
+                                     down_t, int(down_type), idx.contiguous(), mask.contiguous(), up_bias,
+                                     ACTIVATION_IDS[activation], act_on_up)
+    return sparse_ffn_masked_reference(x, up, up_type, gate, gate_type, down_t, down_type, idx, mask, up_bias,
+                                       activation, act_on_up)
+
+
 def host_nodes_available() -> bool:
     """Whether a hybrid layer's cold FFN can run as a host node of the CUDA stream."""
     return HOST_NODES and _has_cuda_kernels()
