@@ -22,19 +22,12 @@ bool sparse_ffn_fused_cpu(const at::Tensor& x, const at::Tensor& up, int64_t up_
                           int64_t act, bool act_on_up, at::Tensor& y_out, at::Tensor& h_out,
                           const c10::optional<at::Tensor>& mask);
 
-std::tuple<at::Tensor, at::Tensor> sparse_ffn_cpu(const at::Tensor& x, const at::Tensor& up, int64_t up_type,
-                                                  const c10::optional<at::Tensor>& gate, int64_t gate_type,
-                                                  const at::Tensor& down_t, int64_t down_type,
-                                                  const c10::optional<at::Tensor>& idx,
-                                                  const c10::optional<at::Tensor>& up_bias, int64_t act,
-                                                  bool act_on_up) {
+// h over the neurons idx (None: all) for every token, from the row-dots of gate and up (the unfused form)
+static at::Tensor ffn_activations(const at::Tensor& x, const at::Tensor& up, int64_t up_type,
+                                  const c10::optional<at::Tensor>& gate, int64_t gate_type,
+                                  const c10::optional<at::Tensor>& idx, const c10::optional<at::Tensor>& up_bias,
+                                  int64_t act, bool act_on_up) {
   const bool gated = gate.has_value() && gate->defined();
-  if (idx.has_value() && idx->defined()) {  // decoding: one fused pass per neuron (cpu_matmul.cpp)
-    at::Tensor y, h;
-    if (sparse_ffn_fused_cpu(x, up, up_type, gate, gate_type, down_t, down_type, *idx, up_bias, act, act_on_up, y, h,
-                             c10::nullopt))
-      return {y, h};
-  }
   std::vector<at::Tensor> ws;
   std::vector<int64_t> types;
   if (gated) {
@@ -50,7 +43,22 @@ std::tuple<at::Tensor, at::Tensor> sparse_ffn_cpu(const at::Tensor& x, const at:
                 "sparse_ffn: up bias must be float32 [n_ff]");
     u.add_(idx.has_value() && idx->defined() ? up_bias->index_select(0, idx->to(at::kLong)) : *up_bias);
   }
-  at::Tensor h = gated ? gated_act_cpu(rows[0], u, act, act_on_up) : gated_act_cpu(u, at::ones_like(u), act, false);
+  return gated ? gated_act_cpu(rows[0], u, act, act_on_up) : gated_act_cpu(u, at::ones_like(u), act, false);
+}
+
+std::tuple<at::Tensor, at::Tensor> sparse_ffn_cpu(const at::Tensor& x, const at::Tensor& up, int64_t up_type,
+                                                  const c10::optional<at::Tensor>& gate, int64_t gate_type,
+                                                  const at::Tensor& down_t, int64_t down_type,
+                                                  const c10::optional<at::Tensor>& idx,
+                                                  const c10::optional<at::Tensor>& up_bias, int64_t act,
+                                                  bool act_on_up) {
+  if (idx.has_value() && idx->defined()) {  // decoding: one fused pass per neuron (cpu_matmul.cpp)
+    at::Tensor y, h;
+    if (sparse_ffn_fused_cpu(x, up, up_type, gate, gate_type, down_t, down_type, *idx, up_bias, act, act_on_up, y, h,
+                             c10::nullopt))
+      return {y, h};
+  }
+  at::Tensor h = ffn_activations(x, up, up_type, gate, gate_type, idx, up_bias, act, act_on_up);
   return {sparse_axpy_cpu(down_t, down_type, h, idx), h};
 }
 
@@ -70,19 +78,7 @@ std::tuple<at::Tensor, at::Tensor> sparse_ffn_masked_cpu(const at::Tensor& x, co
     return {y, h};
   TORCH_CHECK(mask.scalar_type() == at::kBool && mask.dim() == 2 && mask.size(0) == x.size(0) &&
                   mask.size(1) == idx.numel(), "sparse_ffn: the per-token mask must be bool [tokens, |idx|]");
-  std::vector<at::Tensor> ws;
-  std::vector<int64_t> types;
-  const bool gated = gate.has_value() && gate->defined();
-  if (gated) {
-    ws.push_back(*gate);
-    types.push_back(gate_type);
-  }
-  ws.push_back(up);
-  types.push_back(up_type);
-  auto rows = qmatmul_rows_cpu(ws, types, x, std::vector<c10::optional<at::Tensor>>(ws.size(), idx));
-  at::Tensor u = rows.back();
-  if (up_bias.has_value() && up_bias->defined()) u.add_(up_bias->index_select(0, idx.to(at::kLong)));
-  h = gated ? gated_act_cpu(rows[0], u, act, act_on_up) : gated_act_cpu(u, at::ones_like(u), act, false);
+  h = ffn_activations(x, up, up_type, gate, gate_type, idx, up_bias, act, act_on_up);
   h.mul_(mask.to(at::kFloat));
   return {sparse_axpy_cpu(down_t, down_type, h, idx), h};
 }

@@ -450,8 +450,9 @@ def sparse_axpy(data: torch.Tensor, qtype: Q, h: torch.Tensor, idx: torch.Tensor
 
 
 def sparse_ffn_reference(x, up, up_type, gate, gate_type, down_t, down_type, idx, up_bias, activation, act_on_up,
-                         rowdot=sparse_rowdot_reference, axpy=sparse_axpy_reference):
-    """Twin of `sparse_ffn`: returns (y, h). (With the compiled rowdot/axpy: the GPU's sparse FFN.)"""
+                         rowdot=sparse_rowdot_reference, axpy=sparse_axpy_reference, mask=None):
+    """Twin of `sparse_ffn`: returns (y, h). (With the compiled rowdot/axpy: the GPU's sparse FFN.)
+    With `mask` (bool [T, |idx|]), token t's h is kept only where mask[t] (`sparse_ffn_masked`)."""
     from .layers import ACTIVATIONS  # layers imports this module: import at call time
     act = ACTIVATIONS[activation]
     u = rowdot(up, up_type, x, idx)
@@ -462,6 +463,8 @@ def sparse_ffn_reference(x, up, up_type, gate, gate_type, down_t, down_type, idx
         h = act(g) * (act(u) if act_on_up else u)
     else:
         h = act(u)
+    if mask is not None:
+        h = h * mask.to(h.dtype)
     return axpy(down_t, down_type, h, idx), h
 
 
@@ -492,16 +495,9 @@ def sparse_ffn(x, up, up_type, gate, gate_type, down_t, down_type, idx, up_bias=
 
 def sparse_ffn_masked_reference(x, up, up_type, gate, gate_type, down_t, down_type, idx, mask, up_bias=None,
                                 activation="relu", act_on_up=False):
-    """Twin of `sparse_ffn_masked`: the FFN over the neurons idx with token t's h kept where mask[t]."""
-    from .layers import ACTIVATIONS
-    act = ACTIVATIONS[activation]
-    u = sparse_rowdot_reference(up, up_type, x, idx)
-    if up_bias is not None:
-        u = u + up_bias[idx.long()]
-    h = act(sparse_rowdot_reference(gate, gate_type, x, idx)) * (act(u) if act_on_up else u) \
-        if gate is not None else act(u)
-    h = h * mask.to(h.dtype)
-    return sparse_axpy_reference(down_t, down_type, h, idx), h
+    """Twin of `sparse_ffn_masked`."""
+    return sparse_ffn_reference(x, up, up_type, gate, gate_type, down_t, down_type, idx, up_bias, activation,
+                                act_on_up, mask=mask)
 
 
 def sparse_ffn_masked(x, up, up_type, gate, gate_type, down_t, down_type, idx, mask, up_bias=None,
