@@ -168,21 +168,25 @@ def train(profile_dir: Path, n_layers: int, d_model: int, n_ff: list[int], width
 
 
 def write_predictors(path: Path, results: list[LayerResult], meta: dict) -> Path:
-    import gguf
-    tmp = path.with_name(path.name + ".part")
-    w = gguf.GGUFWriter(str(tmp), "hybridsparse.predictors")
-    w.add_uint32("hybridsparse.predictor.block_count", len(results))
-    w.add_array("hybridsparse.predictor.thresholds", [float(r.threshold) for r in results])
-    w.add_string("hybridsparse.meta", json.dumps(meta, sort_keys=True))
+    from hybridsparse.runtime.gguf_writer import PlannedTensor
+    from gguf import GGMLQuantizationType as Q
+    tensors = []
     for r in results:
-        w.add_tensor(f"blk.{r.layer}.fc1.weight", r.fc1.half().numpy())
-        w.add_tensor(f"blk.{r.layer}.fc2.weight", r.fc2.half().numpy())
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    tmp.replace(path)
-    return path
+        tensors += [PlannedTensor(f"blk.{r.layer}.fc1.weight", tuple(r.fc1.shape), Q.F16, lambda r=r: r.fc1.half().numpy()),
+                    PlannedTensor(f"blk.{r.layer}.fc2.weight", tuple(r.fc2.shape), Q.F16, lambda r=r: r.fc2.half().numpy())]
+    return write_predictor_file(path, [float(r.threshold) for r in results], meta, tensors)
+
+
+def write_predictor_file(path: Path, thresholds: list[float], meta: dict, tensors: list) -> Path:
+    """Our predictor side file: per-layer thresholds, metadata, and `tensors` (gguf_writer.PlannedTensor:
+    blk.N.fc1/fc2 in F16, made one at a time as they are written), atomically."""
+    from hybridsparse.runtime.gguf_writer import write_gguf_stream
+
+    def metadata(w):
+        w.add_uint32("hybridsparse.predictor.block_count", len(thresholds))
+        w.add_array("hybridsparse.predictor.thresholds", [float(t) for t in thresholds])
+        w.add_string("hybridsparse.meta", json.dumps(meta, sort_keys=True))
+    return write_gguf_stream(path, "hybridsparse.predictors", metadata, tensors, desc=False)
 
 
 def load_predictors(path: str | Path) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[float], dict]:

@@ -192,12 +192,20 @@ class _PlantedPool(_Pool):
         self.b, self.g = b.astype(np.float32), g.astype(np.float32)
         super().__init__(d, 0.0, qtype, rng, zero_col0=True, rows=self.g @ self.b)
 
-    def predictor(self, col0: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """fc1 [2R + 1, d], fc2 [n, 2R + 1] with fc2 relu(fc1 x) = w . x for w = the rows with `col0`."""
+    @property
+    def predictor_width(self) -> int:
+        return 2 * self.b.shape[0] + 1
+
+    def fc1(self) -> np.ndarray:
+        """[2R + 1, d]: the same for every layer (the layers differ in their column 0 only)."""
         e0 = np.zeros((1, self.b.shape[1]), np.float32)
         e0[0, 0] = 1.0
+        return np.vstack([self.b, -self.b, e0])
+
+    def fc2(self, col0: np.ndarray) -> np.ndarray:
+        """[n, 2R + 1] with fc2 relu(fc1 x) = w . x for w = the rows with `col0`."""
         g = np.tile(self.g, (-(-len(col0) // self.n), 1))[: len(col0)]
-        return np.vstack([self.b, -self.b, e0]), np.hstack([g, -g, col0[:, None].astype(np.float32)])
+        return np.hstack([g, -g, col0[:, None].astype(np.float32)])
 
 
 def _store(arr: np.ndarray, qtype: Q) -> np.ndarray:
@@ -220,7 +228,7 @@ def write_synth(out_dir: str | Path, name: str, dtype: str = "f16", layout: str 
     """Write the model, its activation profile (`<model>.hs-profile`, PowerInfer's activation/ layout
     inside) and its predictors (in the file for PowerInfer's layout, `<model>.predictors.gguf` beside
     it otherwise). Returns the model's path."""
-    from hybridsparse.predictor_training.train import LayerResult, write_predictors
+    from hybridsparse.predictor_training.train import write_predictor_file
     from hybridsparse.profiler.activations import save_profile
     from .convert import byte_level_vocab
     from .gguf_writer import PlannedTensor, add_metadata, write_gguf_stream
@@ -291,7 +299,8 @@ def write_synth(out_dir: str | Path, name: str, dtype: str = "f16", layout: str 
         tensors.append(T("output_norm.bias", (d,), Q.F32, zeros))
     if s.arch != "opt":  # OPT ties its head to the embedding
         tensors.append(T("output.weight", (s.vocab, d), big, lambda: pools["head"].tile(s.vocab)))
-    predictors = []
+    predictors = []  # made when written, like the weights, in the file (PowerInfer) or beside it
+    width = pools["w_in"].predictor_width
     for i in range(s.layers):
         p = f"blk.{i}."
         if s.arch == "llama":
@@ -325,11 +334,11 @@ def write_synth(out_dir: str | Path, name: str, dtype: str = "f16", layout: str 
             tensors.append(T(p + "ffn_down.weight", (d, ff), qtype, lambda: _zero_row0(pools["down"].tile(d))))
         if s.arch == "opt":
             tensors.append(T(p + ("ffn_down_t.bias" if pi else "ffn_down.bias"), (d,), Q.F32, zeros))
-        fc1, fc2 = pools["w_in"].predictor(col0(i))
-        predictors.append((fc1, fc2))
-        if pi:
-            tensors += [T(p + "fc1.weight", fc1.shape, Q.F16, lambda x=fc1: x.astype(np.float16)),
-                        T(p + "fc2.weight", fc2.shape, Q.F16, lambda x=fc2: x.astype(np.float16))]
+        predictors += [T(p + "fc1.weight", (width, d), Q.F16, lambda: pools["w_in"].fc1().astype(np.float16)),
+                       T(p + "fc2.weight", (ff, width), Q.F16,
+                         lambda i=i: pools["w_in"].fc2(col0(i)).astype(np.float16))]
+    if pi:
+        tensors += predictors
 
     def metadata(w):
         keys = {"context_length": N_CTX if s.arch != "opt" else 2048, "embedding_length": d, "block_count": s.layers,
@@ -356,10 +365,8 @@ def write_synth(out_dir: str | Path, name: str, dtype: str = "f16", layout: str 
     save_profile(path.with_name(path.stem + ".hs-profile"), [torch.from_numpy(f * tokens) for f in freqs], tokens,
                  {"criterion": "synthetic", "density": density, "hot_share_80": hot_share, "source": s.source})
     if not pi:
-        results = [LayerResult(i, fc1.shape[0], 0.0, 1.0, 1.0, float(freqs[i].mean()), float(freqs[i].mean()),
-                               fc1.shape[0] * (d + ff), torch.from_numpy(fc1), torch.from_numpy(fc2))
-                   for i, (fc1, fc2) in enumerate(predictors)]
-        write_predictors(path.with_name(path.stem + ".predictors.gguf"), results, {"synthetic": True})
+        write_predictor_file(path.with_name(path.stem + ".predictors.gguf"), [0.0] * s.layers, {"synthetic": True},
+                             predictors)
     return path
 
 
