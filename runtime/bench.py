@@ -160,13 +160,21 @@ def write_json(path: str | None, result: dict) -> None:
         Path(path).write_text(json.dumps(result, indent=2))
 
 
+def _hybrid_args(model, threads: int, budgets: str, n_predict: int, prompt_tokens: int, reps: int, mode: str,
+                 no_cpu_only: bool, timeout: float, json_path: str | None, **extra) -> argparse.Namespace:
+    """`hs-bench hybrid`'s arguments for `run --vram-budget` and `scenario`: a context of the prompt and
+    the generated tokens rounded up to 256 (at least 512)."""
+    return argparse.Namespace(model=model, threads=threads, budgets=budgets, n_predict=n_predict,
+                              prompt_tokens=prompt_tokens, reps=reps, mode=mode, no_ngl=False, no_cpu_only=no_cpu_only,
+                              timeout=timeout, json=json_path,
+                              ctx_size=max(512, -(-(prompt_tokens + n_predict + 4) // 256) * 256), **extra)
+
+
 def _run(args) -> int:
     if args.vram_budget is not None:  # the four engines side by side, each in its own process
-        return _hybrid(argparse.Namespace(
-            model=args.model, threads=args.threads, budgets=str(args.vram_budget), n_predict=args.n_predict,
-            prompt_tokens=args.prompt_tokens, reps=args.reps, mode=args.mode, no_ngl=False,
-            no_cpu_only=args.no_cpu_only, timeout=args.timeout, json=args.json,
-            ctx_size=max(512, -(-(args.prompt_tokens + args.n_predict + 4) // 256) * 256)))
+        return _hybrid(_hybrid_args(args.model, args.threads, str(args.vram_budget), args.n_predict,
+                                    args.prompt_tokens, args.reps, args.mode, args.no_cpu_only, args.timeout,
+                                    args.json))
     from .loader import default_model_path
     model = Path(args.model) if args.model else default_model_path()
     if args.n_gpu_layers is None:
@@ -776,11 +784,9 @@ def _scenario(args) -> int:
             if len(sc["threads"]) > 1:
                 json_path = str(Path(json_path).with_name(Path(json_path).stem + f"-t{threads}.json"))
             n = args.n_predict or sc["n"]
-            rc = _hybrid(argparse.Namespace(
-                model=str(path), threads=threads, budgets=sc["budgets"], n_predict=n, prompt_tokens=64,
-                reps=args.reps, mode="predictor", no_ngl=False, no_cpu_only=not sc["cpu_only"],
-                timeout=args.timeout, json=json_path, ctx_size=max(512, -(-(64 + n + 4) // 256) * 256),
-                scenario=f"{args.name}: {sc['what']}"))
+            rc = _hybrid(_hybrid_args(str(path), threads, sc["budgets"], n, 64, args.reps, "predictor",
+                                      not sc["cpu_only"], args.timeout, json_path,
+                                      scenario=f"{args.name}: {sc['what']}"))
             if rc:
                 return rc
     finally:
