@@ -80,6 +80,79 @@ def _pinned(shape, dtype) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, pin_memory=torch.cuda.is_available())
 
 
+# Many tokens at once (a prefill, a server's batch): the CPU computes every (token, active cold
+# neuron) pair, while copying the layer's cold rows to the GPU costs the same for any number of
+# tokens; past the crossover the cold rows are streamed over PCIe a chunk at a time and computed
+# there (llama.cpp does the same for CPU-resident weights from a batch of 32). The crossover comes
+# from the two costs as measured on this machine so far (seconds per byte, a running mean started
+# from round guesses). HS_COLD_STREAM=auto (default) | always | never, for tests and benchmarks.
+COLD_STREAM = os.environ.get("HS_COLD_STREAM", "auto")
+_RATES = {"cpu": 1 / 20e9, "stream": 1 / 10e9}  # seconds per byte: CPU per (token, neuron) rows, PCIe per cold row
+
+
+def _measured(kind: str, seconds: float, nbytes: int) -> None:
+    if nbytes > 0:
+        _RATES[kind] = 0.7 * _RATES[kind] + 0.3 * seconds / nbytes
+
+
+class _Streamer:
+    """Two slots of staging buffers (pinned host memory, device memory) for the cold rows streamed
+    to the fast device: the CPU gathers chunk k+1 while chunk k crosses PCIe and is computed. Shared
+    by the layers of one device; the solver reserves its device memory (solver.plan.STREAM_BYTES)."""
+
+    def __init__(self, dev: torch.device):
+        from hybridsparse.solver.plan import STREAM_BYTES
+        self.dev, self.cuda = dev, dev.type == "cuda"
+        self.slot_bytes = STREAM_BYTES // 2
+        self.host = [_pinned((self.slot_bytes,), torch.uint8) for _ in range(2)]
+        self.buf = [torch.empty(self.slot_bytes, dtype=torch.uint8, device=dev) for _ in range(2)] if self.cuda \
+            else self.host
+        self.copied = [torch.cuda.Event() for _ in range(2)] if self.cuda else None
+        self.computed = [torch.cuda.Event() for _ in range(2)] if self.cuda else None
+
+    def chunk_neurons(self, mats: list[QWeight]) -> int:
+        return max(1, (self.slot_bytes - 256 * len(mats)) // sum(_row_bytes(q) for q in mats))
+
+    def stage(self, k: int, mats: list[QWeight], ids: torch.Tensor) -> list[QWeight]:
+        """The rows `ids` of each weight, gathered into slot k % 2 and on the device (queued)."""
+        s, n = k % 2, ids.numel()
+        if self.cuda:
+            self.copied[s].synchronize()  # the slot's pinned buffer has been read by its last copy
+        views, off = [], 0
+        for q in mats:
+            nb = n * _row_bytes(q)
+            host = self.host[s][off:off + nb].view(q.data.dtype).view(n, -1)
+            torch.index_select(q.data, 0, ids, out=host)
+            views.append((host, self.buf[s][off:off + nb].view(q.data.dtype).view(n, -1), q))
+            off += (nb + 255) // 256 * 256
+        if self.cuda:
+            main, side = torch.cuda.current_stream(self.dev), _side_stream(self.dev)
+            side.wait_event(self.computed[s])  # the slot's device buffer is no longer read
+            with torch.cuda.stream(side):
+                for host, dev, _ in views:
+                    dev.copy_(host, non_blocking=True)
+                self.copied[s].record(side)
+            main.wait_event(self.copied[s])
+        return [QWeight(dev, q.qtype, q.in_features) for _, dev, q in views]
+
+    def done(self, k: int) -> None:
+        if self.cuda:
+            self.computed[k % 2].record(torch.cuda.current_stream(self.dev))
+
+
+_STREAMERS: dict[torch.device, _Streamer] = {}
+
+
+def _streamer(dev: torch.device) -> _Streamer:
+    if dev not in _STREAMERS:
+        _STREAMERS[dev] = _Streamer(dev)
+    return _STREAMERS[dev]
+
+
+def _row_bytes(q: QWeight) -> int:
+    return q.data.shape[1] * q.data.element_size()
+
+
 _SIDE_STREAMS: dict[torch.device, "torch.cuda.Stream"] = {}
 
 
@@ -192,11 +265,14 @@ class HybridFFN:
             mask = self.active(x)
         if self.n_cold and x.is_cuda and x.shape[0] == 1 and self._host_nodes():
             return self._decode_host_node(x, mask)
-        cold_in = None
+        cold_in, pairs = None, None
         if self.n_cold:
+            cold_mask = mask if (mask is None or not self.n_hot) else \
+                mask.index_select(1, self._ids(self._cold_on, dev))  # every neuron is cold: as it is
+            stream, pairs = self._stream_wins(x, cold_mask)
+            if stream:
+                return self._with_streamed_cold(x, mask, cold_mask)
             with _timed("send to CPU"):
-                cold_mask = mask if (mask is None or not self.n_hot) else \
-                    mask.index_select(1, self._ids(self._cold_on, dev))  # every neuron is cold: as it is
                 cold_in = self._send_to_cpu(x, cold_mask)
         y = None
         if self.n_hot:
@@ -205,7 +281,7 @@ class HybridFFN:
                 mh = None if mask is None else mask.to(self.fast).index_select(1, self._ids(self._hot_on, self.fast))
                 y = self._hot(xf, mh).to(dev)
         if cold_in is not None:
-            yc = self._cold(*cold_in)
+            yc = self._cold(*cold_in, pairs=pairs)
             if yc is not None:
                 with _timed("copy back"):
                     if dev.type == "cuda":  # through a pinned buffer: the host goes on queueing work
@@ -221,6 +297,76 @@ class HybridFFN:
         if self.full.down_bias is not None:
             y = y + self._down_bias(dev)
         return y
+
+    @property
+    def _neuron_bytes(self) -> int:
+        return sum(_row_bytes(q) for q in self._cold_mats())
+
+    def _cold_mats(self) -> list[QWeight]:
+        return [q for q in (self.full.up, self.full.gate, self.down_t) if q is not None]
+
+    def _stream_wins(self, x: torch.Tensor, cold_mask: torch.Tensor | None) -> tuple[bool, int | None]:
+        """Whether this call's cold part is streamed to the fast device (see COLD_STREAM), and the
+        number of (token, cold neuron) pairs the CPU would compute (None when not estimated)."""
+        t = x.shape[0]
+        if t < 2 or self.fast is None or COLD_STREAM == "never":
+            return False, None
+        if COLD_STREAM == "always":
+            return self._streamable(), None
+        if self.fast.type != "cuda" or not self._streamable():
+            return False, None
+        pairs = t * self.n_cold if cold_mask is None else int(cold_mask.sum())  # one sync: a prefill step
+        return _RATES["cpu"] * pairs > _RATES["stream"] * self.n_cold, pairs
+
+    def _streamable(self) -> bool:
+        """Every cold weight in a format the fast device computes as stored."""
+        return all(q.qtype in FLOAT_TYPES or self.fast.type != "cuda" or kernels.cuda_supports(q.qtype)
+                   for q in self._cold_mats())
+
+    def _with_streamed_cold(self, x: torch.Tensor, mask: torch.Tensor | None,
+                            cold_mask: torch.Tensor | None) -> torch.Tensor:
+        """The whole layer on the fast device: the hot rows resident, the cold rows streamed in."""
+        dev, fast = x.device, self.fast
+        xf = x.float().to(fast)
+        y = None
+        if self.n_hot:
+            with _timed("hot launch"):
+                mh = None if mask is None else mask.to(fast).index_select(1, self._ids(self._hot_on, fast))
+                y = self._hot(xf, mh)
+        with _timed("stream cold"):
+            t0 = time.perf_counter()
+            yc = self._stream_cold(xf, None if cold_mask is None else cold_mask.to(fast))
+            if fast.type == "cuda":
+                torch.cuda.current_stream(fast).synchronize()
+            _measured("stream", time.perf_counter() - t0, self.n_cold * self._neuron_bytes)
+        y = (yc if y is None else y + yc).to(dev)
+        if self.full.down_bias is not None:
+            y = y + self._down_bias(dev)
+        return y
+
+    def _stream_cold(self, x: torch.Tensor, cold_mask: torch.Tensor | None) -> torch.Tensor:
+        w, st = self.full, _streamer(self.fast)
+        mats = self._cold_mats()
+        ids = self._cold_on[torch.device("cpu")]
+        n = st.chunk_neurons(mats)
+        y = None
+        for k, c0 in enumerate(range(0, self.n_cold, n)):
+            c1 = min(c0 + n, self.n_cold)
+            staged = st.stage(k, mats, ids[c0:c1])
+            up, down = staged[0], staged[-1]
+            gate = staged[1] if w.gate is not None else None
+            bias = None if w.up_bias is None else self._cold_bias()[c0:c1]
+            part = self._masked_ffn(up, gate, bias, None if cold_mask is None else cold_mask[:, c0:c1],
+                                    lambda q: kernels.matmul(x, q.data, q.qtype),
+                                    lambda h: kernels.matmul_t(h, down.data, down.qtype))
+            st.done(k)
+            y = part if y is None else y + part
+        return y
+
+    def _cold_bias(self) -> torch.Tensor:
+        if ("cold", self.fast) not in self._bias_on:  # the cold neurons' up bias on the fast device
+            self._bias_on[("cold", self.fast)] = self.full.up_bias[self._cold_on[torch.device("cpu")]].to(self.fast)
+        return self._bias_on[("cold", self.fast)]
 
     def _decode_host_node(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """One token on CUDA with no host wait: on a side stream, x and the cold mask go to pinned
@@ -328,12 +474,16 @@ class HybridFFN:
     def _act(self, u: torch.Tensor, g: torch.Tensor | None) -> torch.Tensor:
         return ACTIVATIONS[self.spec.activation](u) if g is None else gated_act(g, u, self.spec)
 
-    def _cold(self, x: torch.Tensor, cold_mask: torch.Tensor | None, event=None) -> torch.Tensor | None:
+    def _cold(self, x: torch.Tensor, cold_mask: torch.Tensor | None, event=None, pairs: int | None = None):
         if event is not None:
             with _timed("wait for GPU"):
                 event.synchronize()
         with _timed("CPU FFN"):
-            return self._cold_compute(x, cold_mask)
+            t0 = time.perf_counter()
+            y = self._cold_compute(x, cold_mask)
+            if pairs is not None:  # the CPU's side of the streaming decision, as measured
+                _measured("cpu", time.perf_counter() - t0, pairs * self._neuron_bytes)
+            return y
 
     def _cold_compute(self, x: torch.Tensor, cold_mask: torch.Tensor | None) -> torch.Tensor | None:
         w, spec = self.full, self.spec

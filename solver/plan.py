@@ -24,13 +24,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-SOLVER_VERSION = "hs-ilp-2"  # 2: the cost of a decode step without a CUDA graph
+SOLVER_VERSION = "hs-ilp-3"  # 2: the cost of a decode step without a CUDA graph; 3: STREAM_BYTES
 GiB = 1 << 30
 # VRAM that is not weights: the CUDA context and cuBLAS workspace (the driver counts them), the
 # activations, CUDA-graph buffers and allocator slack; plus a relative margin.
 CUDA_CONTEXT_BYTES = 512 << 20
 CUBLAS_WORKSPACE_BYTES = 32 << 20
 MARGIN = 0.03
+# Two staging slots for cold rows streamed to the GPU during a prefill (runtime.hybrid._Streamer).
+STREAM_BYTES = 64 << 20
 
 
 @dataclass
@@ -83,7 +85,8 @@ class Problem:
         return self.vram_head_bytes or self.head_bytes
 
     def fixed_vram(self) -> int:
-        return CUDA_CONTEXT_BYTES + CUBLAS_WORKSPACE_BYTES + self.activation_bytes + int(MARGIN * self.vram_budget)
+        return (CUDA_CONTEXT_BYTES + CUBLAS_WORKSPACE_BYTES + STREAM_BYTES + self.activation_bytes
+                + int(MARGIN * self.vram_budget))
 
     def groups(self, l: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(neuron order hottest first, expected active neurons per group, neurons per group), sorted

@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 import torch
 
+from hybridsparse.runtime import hybrid
 from hybridsparse.runtime.gguf_file import GGUFFile
+from hybridsparse.solver import plan
 from hybridsparse.runtime.hybrid import HybridFFN, HybridOptions, down_t_cache_path, setup_hybrid
 from hybridsparse.runtime.models import load_model
 
@@ -54,7 +56,7 @@ HYBRID_CASES = ["llama-relu", "llama-swiglu", "llama-drelu", "gemma3", "falcon-4
 
 
 @pytest.mark.parametrize("name", HYBRID_CASES)
-def test_oracle_sparse_equals_dense(name, tmp_path):
+def test_oracle_sparse_equals_dense(name, tmp_path, monkeypatch):
     _, dense = build_case(name, tmp_path)
     path = dense.gguf.path
     ids = torch.randint(0, VOCAB, (PROMPT,), generator=torch.Generator().manual_seed(3))
@@ -64,8 +66,19 @@ def test_oracle_sparse_equals_dense(name, tmp_path):
         "cpu-only oracle": HybridOptions(mode="oracle", vram_budget=0),
         "split oracle": HybridOptions(mode="oracle", device="cpu"),
         "split dense": HybridOptions(mode="dense", device="cpu"),
+        # the prefill's cold rows copied to the fast executor a few neurons at a time (many chunks
+        # through both staging slots) and computed there, as a long prefill on a GPU does
+        "split oracle, cold rows streamed": HybridOptions(mode="oracle", device="cpu"),
     }
     for what, opts in configs.items():
+        streamed = "streamed" in what
+        monkeypatch.setattr(hybrid, "COLD_STREAM", "always" if streamed else "never")
+        monkeypatch.setattr(hybrid, "_STREAMERS", {})
+        monkeypatch.setattr(plan, "STREAM_BYTES", 16 << 10)
+        calls = []
+        if streamed:
+            real = hybrid.HybridFFN._stream_cold
+            monkeypatch.setattr(hybrid.HybridFFN, "_stream_cold", lambda self, *a: (calls.append(1), real(self, *a))[1])
         model = load_model(GGUFFile(path))
         if opts.device == "cpu":
             opts.hot, opts.attn_fast = _split(model, 7)
@@ -78,6 +91,9 @@ def test_oracle_sparse_equals_dense(name, tmp_path):
         err = (logits - ref_logits).abs().max().item()
         assert err <= 1e-4 * max(scale, 1.0), f"{name} {what}: logits differ by {err:.3g} (scale {scale:.3g})"
         assert tokens == ref_tokens, f"{name} {what}"
+        if streamed:
+            assert len(calls) == model.config.n_layers  # the prefill of each layer, not the decode steps
+            assert len(hybrid._STREAMERS) == 1
 
 
 def test_relu_oracle_computes_only_the_active_neurons(tmp_path, monkeypatch):

@@ -24,8 +24,16 @@ from test_hybrid import greedy_run  # noqa: E402
 from tiny_models import tiny_llama  # noqa: E402
 
 
+@pytest.mark.parametrize("cold", ["never", "always"])
 @pytest.mark.parametrize("name", ["llama-relu", "llama-swiglu", "llama-drelu", "gemma3", "opt", "falcon-40b-relu"])
-def test_oracle_hybrid_on_cuda_equals_dense_on_cuda(name, tmp_path):
+def test_oracle_hybrid_on_cuda_equals_dense_on_cuda(name, cold, tmp_path, monkeypatch):
+    """cold="always": the prefill's cold rows are streamed to the GPU (a few neurons per chunk, so
+    both staging slots and their events are reused many times) instead of computed by the CPU."""
+    from hybridsparse.runtime import hybrid
+    from hybridsparse.solver import plan
+    monkeypatch.setattr(hybrid, "COLD_STREAM", cold)
+    monkeypatch.setattr(hybrid, "_STREAMERS", {})
+    monkeypatch.setattr(plan, "STREAM_BYTES", 16 << 10)
     _, dense = build_case(name, tmp_path)
     path = dense.gguf.path
     dense.place(dense.config.n_layers + 1, torch.device("cuda"))
