@@ -131,9 +131,12 @@ int prefetch_mode() {
 }
 
 // Software-prefetch n bytes in the given HS_PREFETCH mode (1: non-temporal, 2: into all cache levels).
+// 3: into L2 only (prefetcht1), which leaves the L1 fill buffers to the loads.
 inline void prefetch_bytes(const char* p, int64_t n, int mode) {
   if (mode == 1)
     for (int64_t off = 0; off < n; off += 64) __builtin_prefetch(p + off, 0, 0);
+  else if (mode == 3)
+    for (int64_t off = 0; off < n; off += 64) __builtin_prefetch(p + off, 0, 2);
   else
     for (int64_t off = 0; off < n; off += 64) __builtin_prefetch(p + off, 0, 3);
 }
@@ -435,6 +438,29 @@ bool fused_enabled() {  // read per call (tens of ns): benchmarks switch it with
   return !(v && v[0] == '0');
 }
 
+// Neurons whose float16 rows one thread streams side by side in the fused FFN (HS_FFN_ROWS: 1, 2 or
+// 4; read per call like HS_FUSED_FFN). Several rows in flight per core keep more of the memory's
+// bandwidth busy than one scattered row at a time.
+int ffn_rows() {
+  const char* v = std::getenv("HS_FFN_ROWS");
+  const int n = v ? std::atoi(v) : 1;
+  return n == 2 || n == 4 ? n : 1;
+}
+
+using DotRows = void (*)(const void* const*, const float*, int64_t, float*);
+
+#ifdef HS_X86
+// the dots of n_rows rows side by side, n_rows in {1, 2, 4, 8}
+DotRows pick_dot_rows(int n_rows) {
+  switch (n_rows) {
+    case 2: return dot_f16_rows_avx512<2>;
+    case 4: return dot_f16_rows_avx512<4>;
+    case 8: return dot_f16_rows_avx512<8>;
+    default: return dot_f16_rows_avx512<1>;
+  }
+}
+#endif
+
 }  // namespace
 
 bool sparse_ffn_fused_cpu(const at::Tensor& x, const at::Tensor& up, int64_t up_type,
@@ -494,6 +520,8 @@ bool sparse_ffn_fused_cpu(const at::Tensor& x, const at::Tensor& up, int64_t up_
   const int32_t* ip = idx.data_ptr<int32_t>();
   const bool* mp = masked ? mask->data_ptr<bool>() : nullptr;
   float* hp = h_out.data_ptr<float>();
+  const int pf = prefetch_mode();
+  const int side_by_side = (T == 1 && !masked && up_type == F16 && cpu_has_avx512()) ? ffn_rows() : 1;
   // at least 8 neurons a thread: fewer is not worth waking a thread for
   const int n_threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), M / 8)));
   std::vector<float> partial(static_cast<size_t>(n_threads) * T * D);
@@ -505,10 +533,44 @@ bool sparse_ffn_fused_cpu(const at::Tensor& x, const at::Tensor& up, int64_t up_
       float sc[AXPY_GROUP];
       int n_group = 0;
       const int64_t r0 = M * tid / n_threads, r1 = M * (tid + 1) / n_threads;
-      for (int64_t k = r0; k < r1; ++k) {
+      int64_t k = r0;
+      if (side_by_side > 1) {  // one token, float16: `side_by_side` neurons' rows streamed together
+        const int per = gated ? 2 : 1;
+        const DotRows dots = pick_dot_rows(side_by_side * per);
+        const void* rws[8];
+        float val[8];
+        for (; k + side_by_side <= r1; k += side_by_side) {
+          for (int j = 0; j < side_by_side; ++j) {
+            const int64_t r = ip[k + j];
+            rws[j * per] = upp + r * rb;
+            if (gated) rws[j * per + 1] = gp + r * rb;
+          }
+          dots(rws, xp, K, val);
+          for (int j = 0; j < side_by_side; ++j) {
+            const int64_t r = ip[k + j];
+            float u = val[j * per];
+            if (bp) u += bp[r];
+            const float h = gated ? act_scalar(val[j * per + 1], act) * (act_on_up ? act_scalar(u, act) : u)
+                                  : act_scalar(u, act);
+            hp[k + j] = h;
+            if (h == 0.f) continue;
+            rows[n_group] = dp + r * drow;
+            sc[n_group++] = h;
+            if (n_group == AXPY_GROUP) {
+              group(sc, rows, acc, D);
+              n_group = 0;
+            }
+          }
+        }
+      }
+      for (; k < r1; ++k) {
         const int64_t r = ip[k];
         const uint8_t* ur = upp + r * rb;
         const uint8_t* gr = gated ? gp + r * rb : nullptr;
+        if (pf && k + 1 < r1) {  // HS_PREFETCH: the next neuron's rows, where no hardware prefetcher looks
+          prefetch_bytes(reinterpret_cast<const char*>(upp + ip[k + 1] * rb), rb, pf);
+          if (gated) prefetch_bytes(reinterpret_cast<const char*>(gp + ip[k + 1] * rb), rb, pf);
+        }
         // each listed row is read once; only the tokens that need the neuron compute with it
         for (int64_t t = 0; t < T; ++t) {
           if (mp && !mp[t * M + k]) continue;
@@ -530,6 +592,7 @@ bool sparse_ffn_fused_cpu(const at::Tensor& x, const at::Tensor& up, int64_t up_
             continue;
           }
           rows[n_group] = dp + r * drow;
+          if (pf) prefetch_bytes(reinterpret_cast<const char*>(rows[n_group]), drow, pf);
           sc[n_group++] = h;
           if (n_group == AXPY_GROUP) {
             group(sc, rows, acc, D);
