@@ -438,19 +438,21 @@ bool fused_enabled() {  // read per call (tens of ns): benchmarks switch it with
   return !(v && v[0] == '0');
 }
 
-// Neurons whose float16 rows one thread streams side by side in the fused FFN (HS_FFN_ROWS: 1, 2 or
-// 4; read per call like HS_FUSED_FFN). Several rows in flight per core keep more of the memory's
+// Neurons whose rows (float16, Q4_0, Q5_0; AVX-512) one thread streams side by side in the fused FFN
+// (HS_FFN_ROWS: 1, 2 or 4, default 4; read per call like HS_FUSED_FFN). Several rows in flight per core keep more of the memory's
 // bandwidth busy than one scattered row at a time.
 int ffn_rows() {
   const char* v = std::getenv("HS_FFN_ROWS");
-  const int n = v ? std::atoi(v) : 1;
+  const int n = v ? std::atoi(v) : 4;
   return n == 2 || n == 4 ? n : 1;
 }
 
 using DotRows = void (*)(const void* const*, const float*, int64_t, float*);
+using DotRowsQ8 = void (*)(const void* const*, const ActQ8*, int64_t, float*);
 
 #ifdef HS_X86
-// the dots of n_rows rows side by side, n_rows in {1, 2, 4, 8}
+// the dots of n_rows rows side by side, n_rows in {1, 2, 4, 8}: float16 rows against x, Q4_0/Q5_0
+// rows against the quantized x (null for other types)
 DotRows pick_dot_rows(int n_rows) {
   switch (n_rows) {
     case 2: return dot_f16_rows_avx512<2>;
@@ -458,6 +460,20 @@ DotRows pick_dot_rows(int n_rows) {
     case 8: return dot_f16_rows_avx512<8>;
     default: return dot_f16_rows_avx512<1>;
   }
+}
+template <int64_t QT>
+DotRowsQ8 pick_dot_rows_q45(int n_rows) {
+  switch (n_rows) {
+    case 2: return dot_q45_0_rows_vnni<QT, 2>;
+    case 4: return dot_q45_0_rows_vnni<QT, 4>;
+    case 8: return dot_q45_0_rows_vnni<QT, 8>;
+    default: return dot_q45_0_rows_vnni<QT, 1>;
+  }
+}
+DotRowsQ8 pick_dot_rows_q8(int64_t qtype, int n_rows) {
+  if (qtype == Q4_0) return pick_dot_rows_q45<Q4_0>(n_rows);
+  if (qtype == Q5_0) return pick_dot_rows_q45<Q5_0>(n_rows);
+  return nullptr;
 }
 #endif
 
@@ -521,7 +537,8 @@ bool sparse_ffn_fused_cpu(const at::Tensor& x, const at::Tensor& up, int64_t up_
   const bool* mp = masked ? mask->data_ptr<bool>() : nullptr;
   float* hp = h_out.data_ptr<float>();
   const int pf = prefetch_mode();
-  const int side_by_side = (T == 1 && !masked && up_type == F16 && cpu_has_avx512()) ? ffn_rows() : 1;
+  const int side_by_side =
+      (T == 1 && !masked && (up_type == F16 || up_type == Q4_0 || up_type == Q5_0) && cpu_has_avx512()) ? ffn_rows() : 1;
   // at least 8 neurons a thread: fewer is not worth waking a thread for
   const int n_threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), M / 8)));
   std::vector<float> partial(static_cast<size_t>(n_threads) * T * D);
@@ -536,7 +553,8 @@ bool sparse_ffn_fused_cpu(const at::Tensor& x, const at::Tensor& up, int64_t up_
       int64_t k = r0;
       if (side_by_side > 1) {  // one token, float16: `side_by_side` neurons' rows streamed together
         const int per = gated ? 2 : 1;
-        const DotRows dots = pick_dot_rows(side_by_side * per);
+        const DotRows dots = up_type == F16 ? pick_dot_rows(side_by_side * per) : nullptr;
+        const DotRowsQ8 dots_q = up_type == F16 ? nullptr : pick_dot_rows_q8(up_type, side_by_side * per);
         const void* rws[8];
         float val[8];
         for (; k + side_by_side <= r1; k += side_by_side) {
@@ -545,7 +563,8 @@ bool sparse_ffn_fused_cpu(const at::Tensor& x, const at::Tensor& up, int64_t up_
             rws[j * per] = upp + r * rb;
             if (gated) rws[j * per + 1] = gp + r * rb;
           }
-          dots(rws, xp, K, val);
+          if (dots) dots(rws, xp, K, val);
+          else dots_q(rws, act32.data(), nb, val);
           for (int j = 0; j < side_by_side; ++j) {
             const int64_t r = ip[k + j];
             float u = val[j * per];

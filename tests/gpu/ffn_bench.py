@@ -1,7 +1,7 @@
 """The CPU's fused sparse FFN for one token (what a hybrid decode step runs per layer for the cold
 neurons) on real-scale layers, in GiB/s of the rows it reads: random active sets at given densities,
 each rep a new set (little cache reuse: one layer is hundreds of MB), against a sequential read of the
-same bytes; float16 layers with 1, 2 and 4 neurons' rows streamed side by side (HS_FFN_ROWS). Not a
+same bytes; with 1, 2 and 4 neurons' rows streamed side by side (HS_FFN_ROWS). Not a
 test. Usage: ffn_bench.py [SHAPE ...]; HS_PREFETCH / thread counts via env (FB_THREADS=8,16)."""
 
 import os
@@ -39,7 +39,7 @@ for name in names:
         for _ in range(3):
             flat.view(torch.int64).sum()
         seq = 3 * flat.numel() / (time.perf_counter() - t0) / 2**30
-        for density, side in [(dn, r) for dn in (0.03, 0.07, 0.15) for r in ((1, 2, 4) if qt == Q.F16 else (1,))]:
+        for density, side in [(dn, r) for dn in (0.03, 0.07, 0.15) for r in (1, 2, 4)]:
             os.environ["HS_FFN_ROWS"] = str(side)
             m = int(n_ff * density)
             total_bytes, total_s = 0, 0.0
