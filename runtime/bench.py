@@ -395,8 +395,9 @@ def hybrid_table(d: dict) -> str:
 def scenario_table(results: list[dict]) -> str:
     """One row per scenario run (README): hybrid vs the dense engine at the same budget, the roofline."""
     lines = ["| scenario | model | machine | threads | VRAM budget | hybrid decode tok/s | dense decode tok/s | "
-             "hybrid / dense | hybrid of roofline | dense of roofline | peak device GiB |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "hybrid / dense | hybrid of roofline | dense of roofline | hybrid prefill tok/s | dense prefill tok/s | "
+             "peak device GiB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for d in sorted(results, key=lambda d: (d["scenario"], -d.get("threads", 0))):
         m = d["machine"]
         where = f"{m['gpu']} + {m['cpu_threads_available']}-thread CPU" if m.get("gpu") else m["cpu"]
@@ -412,7 +413,8 @@ def scenario_table(results: list[dict]) -> str:
                 f"| {d['scenario'].split(':')[0]}", Path(d["model"]).name, where, str(d.get("threads", "")),
                 "CPU only" if b == 0 else f"{b:g} GiB", cell(h, "decode_tok_s", "{:.2f}"),
                 cell(s, "decode_tok_s", "{:.2f}"), ratio, cell(h, "fraction_of_bound", "{:.0%}"),
-                cell(s, "fraction_of_bound", "{:.0%}"), f"{peak / 2**30:.2f} |" if b else " |"]))
+                cell(s, "fraction_of_bound", "{:.0%}"), cell(h, "prefill_tok_s", "{:.1f}"),
+                cell(s, "prefill_tok_s", "{:.1f}"), f"{peak / 2**30:.2f} |" if b else " |"]))
     return "\n".join(lines)
 
 
