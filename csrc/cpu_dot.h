@@ -601,6 +601,40 @@ HS_AVX512 static inline float dot_q8_0_avx512(const void* row, const ActQ8* a, i
   return out;
 }
 
+// The dots of R Q8_0 rows with one quantized x, side by side (as dot_f16_rows_avx512): two blocks
+// per register as in dot_q8_0_avx512, the activation planes loaded once per pair of blocks.
+template <int R>
+HS_AVX512 static inline void dot_q8_0_rows_avx512(const void* const* rows, const ActQ8* a, int64_t nb, float* out) {
+  const BlockQ8_0* w[R];
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) {
+    w[r] = static_cast<const BlockQ8_0*>(rows[r]);
+    acc[r] = _mm512_setzero_ps();
+  }
+  int64_t b = 0;
+  for (; b + 1 < nb; b += 2) {
+    __m512i x0, x1;
+    act_planes_2(a + b, x0, x1);
+    const float d0 = a[b].d, d1 = a[b + 1].d;
+    for (int r = 0; r < R; ++r) {
+      const __m512i q = join256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[r][b].qs)),
+                                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[r][b + 1].qs)));
+      const __mmask64 neg = _mm512_movepi8_mask(q);
+      const __m512i y0 = _mm512_mask_sub_epi8(x0, neg, _mm512_setzero_si512(), x0);
+      const __m512i y1 = _mm512_mask_sub_epi8(x1, neg, _mm512_setzero_si512(), x1);
+      const __m512i i = dot2_vnni(_mm512_abs_epi8(q), y0, y1);
+      acc[r] = _mm512_fmadd_ps(scales_2(_cvtsh_ss(w[r][b].d) * d0, _cvtsh_ss(w[r][b + 1].d) * d1),
+                               _mm512_cvtepi32_ps(i), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    out[r] = _mm512_reduce_add_ps(acc[r]);
+    if (b < nb)
+      out[r] += hsum(block_dot2(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[r][b].qs)), a[b],
+                                _cvtsh_ss(w[r][b].d), _mm256_setzero_ps()));
+  }
+}
+
 // Q4_0 / Q5_0: unsigned weights straight into 256-bit VNNI (one vpdpbusd per plane instead of
 // maddubs + madd), the offset subtracted once per block as in AVX2. (Two blocks per 512-bit register
 // measured slower on Zen 4, whose 512-bit integer ops are double-pumped.)

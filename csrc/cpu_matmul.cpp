@@ -141,6 +141,57 @@ inline void prefetch_bytes(const char* p, int64_t n, int mode) {
     for (int64_t off = 0; off < n; off += 64) __builtin_prefetch(p + off, 0, 3);
 }
 
+// Rows (float16, Q8_0, Q4_0, Q5_0; AVX-512) one thread streams side by side for one token: neurons in
+// the fused FFN, rows in the row-dot (HS_FFN_ROWS: 1, 2 or 4, default 4; read per call like
+// HS_FUSED_FFN). Several rows in flight per core keep more of the memory's
+// bandwidth busy than one scattered row at a time.
+int ffn_rows() {
+  const char* v = std::getenv("HS_FFN_ROWS");
+  const int n = v ? std::atoi(v) : 4;
+  return n == 2 || n == 4 ? n : 1;
+}
+
+using DotRows = void (*)(const void* const*, const float*, int64_t, float*);
+using DotRowsQ8 = void (*)(const void* const*, const ActQ8*, int64_t, float*);
+
+#ifdef HS_X86
+// Whether a type has such a kernel on this CPU.
+bool has_dot_rows(int64_t qtype) {
+  return cpu_has_avx512() && (qtype == F16 || qtype == Q8_0 || qtype == Q4_0 || qtype == Q5_0);
+}
+// the dots of n_rows rows side by side, n_rows in {1, 2, 4, 8}: float16 rows against x, Q4_0/Q5_0
+// rows against the quantized x (null for other types)
+DotRows pick_dot_rows(int n_rows) {
+  switch (n_rows) {
+    case 2: return dot_f16_rows_avx512<2>;
+    case 4: return dot_f16_rows_avx512<4>;
+    case 8: return dot_f16_rows_avx512<8>;
+    default: return dot_f16_rows_avx512<1>;
+  }
+}
+template <int64_t QT>
+DotRowsQ8 pick_dot_rows_q45(int n_rows) {
+  switch (n_rows) {
+    case 2: return dot_q45_0_rows_vnni<QT, 2>;
+    case 4: return dot_q45_0_rows_vnni<QT, 4>;
+    case 8: return dot_q45_0_rows_vnni<QT, 8>;
+    default: return dot_q45_0_rows_vnni<QT, 1>;
+  }
+}
+DotRowsQ8 pick_dot_rows_q8(int64_t qtype, int n_rows) {
+  if (qtype == Q4_0) return pick_dot_rows_q45<Q4_0>(n_rows);
+  if (qtype == Q5_0) return pick_dot_rows_q45<Q5_0>(n_rows);
+  if (qtype == Q8_0) {
+    switch (n_rows) {
+      case 2: return dot_q8_0_rows_avx512<2>;
+      case 4: return dot_q8_0_rows_avx512<4>;
+      case 8: return dot_q8_0_rows_avx512<8>;
+      default: return dot_q8_0_rows_avx512<1>;
+    }
+  }
+  return nullptr;
+}
+#endif
 }  // namespace
 
 namespace {
@@ -215,7 +266,22 @@ std::vector<at::Tensor> qmatmul_rows_cpu(const std::vector<at::Tensor>& ws, cons
       const DotQ8 dot_32 = be == QK ? pick_q8(qtype) : nullptr;
       const DotQ8K dot_256 = be == QK_K ? pick_q8k(qtype) : nullptr;
       const int64_t ahead = std::min(PREFETCH_ROWS * row_bytes, PREFETCH_MAX_BYTES);
-      for (int64_t k = g - first_row[i]; k < stop - first_row[i]; ++k) {
+      int64_t k = g - first_row[i];
+      const int64_t k_end = stop - first_row[i];
+#ifdef HS_X86
+      const int side = (T == 1 && !pf && has_dot_rows(qtype)) ? ffn_rows() : 1;
+      if (side > 1) {  // one token: `side` rows streamed side by side (see ffn_rows)
+        const DotRows dots = is_float ? pick_dot_rows(side) : nullptr;
+        const DotRowsQ8 dots_q = is_float ? nullptr : pick_dot_rows_q8(qtype, side);
+        const void* rws[8];
+        for (; k + side <= k_end; k += side) {
+          for (int j = 0; j < side; ++j) rws[j] = wp + static_cast<int64_t>(idx ? idx[k + j] : k + j) * row_bytes;
+          if (dots) dots(rws, xp, K, yp + k);
+          else dots_q(rws, act32.data(), nb, yp + k);
+        }
+      }
+#endif
+      for (; k < k_end; ++k) {
         const int64_t n = idx ? idx[k] : k;
         if (pf) {
           const char* next = nullptr;
@@ -438,44 +504,6 @@ bool fused_enabled() {  // read per call (tens of ns): benchmarks switch it with
   return !(v && v[0] == '0');
 }
 
-// Neurons whose rows (float16, Q4_0, Q5_0; AVX-512) one thread streams side by side in the fused FFN
-// (HS_FFN_ROWS: 1, 2 or 4, default 4; read per call like HS_FUSED_FFN). Several rows in flight per core keep more of the memory's
-// bandwidth busy than one scattered row at a time.
-int ffn_rows() {
-  const char* v = std::getenv("HS_FFN_ROWS");
-  const int n = v ? std::atoi(v) : 4;
-  return n == 2 || n == 4 ? n : 1;
-}
-
-using DotRows = void (*)(const void* const*, const float*, int64_t, float*);
-using DotRowsQ8 = void (*)(const void* const*, const ActQ8*, int64_t, float*);
-
-#ifdef HS_X86
-// the dots of n_rows rows side by side, n_rows in {1, 2, 4, 8}: float16 rows against x, Q4_0/Q5_0
-// rows against the quantized x (null for other types)
-DotRows pick_dot_rows(int n_rows) {
-  switch (n_rows) {
-    case 2: return dot_f16_rows_avx512<2>;
-    case 4: return dot_f16_rows_avx512<4>;
-    case 8: return dot_f16_rows_avx512<8>;
-    default: return dot_f16_rows_avx512<1>;
-  }
-}
-template <int64_t QT>
-DotRowsQ8 pick_dot_rows_q45(int n_rows) {
-  switch (n_rows) {
-    case 2: return dot_q45_0_rows_vnni<QT, 2>;
-    case 4: return dot_q45_0_rows_vnni<QT, 4>;
-    case 8: return dot_q45_0_rows_vnni<QT, 8>;
-    default: return dot_q45_0_rows_vnni<QT, 1>;
-  }
-}
-DotRowsQ8 pick_dot_rows_q8(int64_t qtype, int n_rows) {
-  if (qtype == Q4_0) return pick_dot_rows_q45<Q4_0>(n_rows);
-  if (qtype == Q5_0) return pick_dot_rows_q45<Q5_0>(n_rows);
-  return nullptr;
-}
-#endif
 
 }  // namespace
 
@@ -538,7 +566,7 @@ bool sparse_ffn_fused_cpu(const at::Tensor& x, const at::Tensor& up, int64_t up_
   float* hp = h_out.data_ptr<float>();
   const int pf = prefetch_mode();
   const int side_by_side =
-      (T == 1 && !masked && (up_type == F16 || up_type == Q4_0 || up_type == Q5_0) && cpu_has_avx512()) ? ffn_rows() : 1;
+      (T == 1 && !masked && has_dot_rows(up_type)) ? ffn_rows() : 1;
   // at least 8 neurons a thread: fewer is not worth waking a thread for
   const int n_threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), M / 8)));
   std::vector<float> partial(static_cast<size_t>(n_threads) * T * D);
