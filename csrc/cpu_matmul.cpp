@@ -141,9 +141,10 @@ inline void prefetch_bytes(const char* p, int64_t n, int mode) {
     for (int64_t off = 0; off < n; off += 64) __builtin_prefetch(p + off, 0, 3);
 }
 
-// Rows (float16, Q8_0, Q4_0, Q5_0; AVX-512) one thread streams side by side for one token: neurons in
-// the fused FFN, rows in the row-dot (HS_FFN_ROWS: 1, 2 or 4, default 4; read per call like
-// HS_FUSED_FFN). Several rows in flight per core keep more of the memory's
+// Rows (float16, Q8_0, Q4_0, Q5_0; AVX-512) one thread streams side by side for one token when fewer
+// than half a weight's rows are listed: neurons in the fused FFN, rows in the row-dot (HS_FFN_ROWS: 1,
+// 2 or 4, default 4; read per call like HS_FUSED_FFN). Scattered rows one at a time leave the memory
+// idle (dev VM, 10% of 13824 rows, 2 threads: 1.4-1.7x); consecutive rows lose (0.5-0.9x). Several rows in flight per core keep more of the memory's
 // bandwidth busy than one scattered row at a time.
 int ffn_rows() {
   const char* v = std::getenv("HS_FFN_ROWS");
@@ -269,8 +270,10 @@ std::vector<at::Tensor> qmatmul_rows_cpu(const std::vector<at::Tensor>& ws, cons
       int64_t k = g - first_row[i];
       const int64_t k_end = stop - first_row[i];
 #ifdef HS_X86
-      const int side = (T == 1 && !pf && has_dot_rows(qtype)) ? ffn_rows() : 1;
-      if (side > 1) {  // one token: `side` rows streamed side by side (see ffn_rows)
+      // one token, a sparse listed set of rows: `side` rows streamed side by side (see ffn_rows; rows
+      // next to each other in memory go faster one at a time: the hardware prefetcher follows them)
+      const int side = (T == 1 && !pf && idx && 2 * M < N && has_dot_rows(qtype)) ? ffn_rows() : 1;
+      if (side > 1) {
         const DotRows dots = is_float ? pick_dot_rows(side) : nullptr;
         const DotRowsQ8 dots_q = is_float ? nullptr : pick_dot_rows_q8(qtype, side);
         const void* rws[8];
@@ -566,7 +569,7 @@ bool sparse_ffn_fused_cpu(const at::Tensor& x, const at::Tensor& up, int64_t up_
   float* hp = h_out.data_ptr<float>();
   const int pf = prefetch_mode();
   const int side_by_side =
-      (T == 1 && !masked && has_dot_rows(up_type)) ? ffn_rows() : 1;
+      (T == 1 && !masked && 2 * M < up.size(0) && has_dot_rows(up_type)) ? ffn_rows() : 1;
   // at least 8 neurons a thread: fewer is not worth waking a thread for
   const int n_threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), M / 8)));
   std::vector<float> partial(static_cast<size_t>(n_threads) * T * D);

@@ -76,9 +76,7 @@ def _reference(w, qtype, x):
 @pytest.mark.parametrize("qtype", KERNEL_TYPES)
 @pytest.mark.parametrize("tokens", [1, 3, 6])
 @pytest.mark.parametrize("n_threads", [1, 2])
-@pytest.mark.parametrize("side_rows", ["1", "4"])  # one token: rows one at a time or side by side (AVX-512)
-def test_qmatmul_matches_twin(qtype, tokens, n_threads, side_rows, threads, monkeypatch):
-    monkeypatch.setenv("HS_FFN_ROWS", side_rows)
+def test_qmatmul_matches_twin(qtype, tokens, n_threads, threads):
     torch.set_num_threads(n_threads)
     block = max(_block(qtype), 32)
     K = block * 3 if block > 1 else 101  # odd row lengths where the type allows

@@ -124,7 +124,7 @@ def test_sparse_ffn_rows_side_by_side(rows, qtype, activation, gated, act_on_up,
     up, gate = random_rows(qtype, n_ff, d, seed=1), random_rows(qtype, n_ff, d, seed=2) if gated else None
     down_t = random_rows(qtype, n_ff, d, seed=3)
     bias = None if gated else torch.randn(n_ff) * 0.1
-    idx = torch.randperm(n_ff, generator=torch.Generator().manual_seed(4))[:131].sort().values.int()
+    idx = torch.randperm(n_ff, generator=torch.Generator().manual_seed(4))[:91].sort().values.int()  # < half
     x = torch.randn(1, d, generator=torch.Generator().manual_seed(11))
     args = (x, up, qtype, gate, qtype, down_t, qtype, idx, bias, activation, act_on_up)
     y, h = kernels.sparse_ffn(*args)
@@ -132,6 +132,22 @@ def test_sparse_ffn_rows_side_by_side(rows, qtype, activation, gated, act_on_up,
     tol = 1e-4 if qtype == Q.F16 else 5e-3  # block types: the row-dots see two-plane 8-bit activations
     torch.testing.assert_close(h, h_ref, rtol=tol, atol=tol * max(1.0, h_ref.abs().max().item()))
     torch.testing.assert_close(y, y_ref, rtol=tol, atol=10 * tol * max(1.0, y_ref.abs().max().item()))
+
+
+@pytest.mark.parametrize("rows", ["1", "2", "4"])
+@pytest.mark.parametrize("qtype", [Q.F16, Q.Q8_0, Q.Q4_0, Q.Q5_0])
+@pytest.mark.parametrize("order", ["sorted", "unsorted"])
+def test_sparse_rowdot_rows_side_by_side(rows, qtype, order, monkeypatch):
+    """HS_FFN_ROWS for the one-token row-dot over a sparse index set (fewer than half the rows): the
+    twin's answer for every group size, with a tail group and a row length with a tail."""
+    monkeypatch.setenv("HS_FFN_ROWS", rows)
+    n = 203
+    w = random_rows(qtype, n, 96, seed=5)
+    idx = torch.randperm(n, generator=torch.Generator().manual_seed(6))[:61]
+    idx = (idx.sort().values if order == "sorted" else idx).int()
+    x = torch.randn(1, 96, generator=torch.Generator().manual_seed(7))
+    torch.testing.assert_close(kernels.sparse_rowdot(w, qtype, x, idx),
+                               kernels.sparse_rowdot_reference(w, qtype, x, idx), rtol=5e-3, atol=5e-3)
 
 
 @pytest.mark.parametrize("activation,gated,act_on_up", VARIANTS)
