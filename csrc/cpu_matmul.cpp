@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -418,7 +419,8 @@ at::Tensor sparse_axpy_cpu(const at::Tensor& w, int64_t qtype, const at::Tensor&
   const uint8_t* wp = static_cast<const uint8_t*>(w.data_ptr());
   const float* hp = h.data_ptr<float>();
   const int n_threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), M));
-  std::vector<float> partial(static_cast<size_t>(n_threads) * T * K, 0.f);
+  // each thread zeroes its own sum (in parallel, and first touched by the thread that uses it)
+  std::unique_ptr<float[]> partial(new float[static_cast<size_t>(n_threads) * T * K]);
   AxpyRow direct;  // y += s * row straight from the stored format (AVX2), else via a row buffer
   AxpyGroup group;  // y += sum of AXPY_GROUP rows, one pass over y
   pick_axpy(qtype, direct, group);
@@ -429,7 +431,8 @@ at::Tensor sparse_axpy_cpu(const at::Tensor& w, int64_t qtype, const at::Tensor&
     int64_t ks[AXPY_GROUP];
     float sc[AXPY_GROUP];
     for (int64_t tid = tb; tid < te; ++tid) {
-      float* acc = partial.data() + tid * T * K;
+      float* acc = partial.get() + tid * T * K;
+      std::fill(acc, acc + T * K, 0.f);
       const int64_t r0 = M * tid / n_threads, r1 = M * (tid + 1) / n_threads;
       int n_group = 0;
       for (int64_t k = r0; k < r1; ++k) {
@@ -469,7 +472,7 @@ at::Tensor sparse_axpy_cpu(const at::Tensor& w, int64_t qtype, const at::Tensor&
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, T * K, 4096, [&](int64_t b, int64_t e) {
     for (int tid = 0; tid < n_threads; ++tid) {
-      const float* p = partial.data() + static_cast<int64_t>(tid) * T * K;
+      const float* p = partial.get() + static_cast<int64_t>(tid) * T * K;
       for (int64_t i = b; i < e; ++i) yp[i] += p[i];
     }
   });
@@ -572,17 +575,17 @@ bool sparse_ffn_fused_cpu(const at::Tensor& x, const at::Tensor& up, int64_t up_
       (T == 1 && !masked && 2 * M < up.size(0) && has_dot_rows(up_type)) ? ffn_rows() : 1;
   // at least 8 neurons a thread: fewer is not worth waking a thread for
   const int n_threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), M / 8)));
-  std::vector<float> partial(static_cast<size_t>(n_threads) * T * D);
+  std::unique_ptr<float[]> partial(new float[static_cast<size_t>(n_threads) * T * D]);  // zeroed per thread
   at::parallel_for(0, n_threads, 1, [&](int64_t tb, int64_t te) {
     for (int64_t tid = tb; tid < te; ++tid) {
-      float* acc = partial.data() + tid * T * D;
+      float* acc = partial.get() + tid * T * D;
       std::fill(acc, acc + T * D, 0.f);
       const void* rows[AXPY_GROUP];
       float sc[AXPY_GROUP];
       int n_group = 0;
       const int64_t r0 = M * tid / n_threads, r1 = M * (tid + 1) / n_threads;
       int64_t k = r0;
-      if (side_by_side > 1) {  // one token, float16: `side_by_side` neurons' rows streamed together
+      if (side_by_side > 1) {  // one token: `side_by_side` neurons' rows streamed together
         const int per = gated ? 2 : 1;
         const DotRows dots = up_type == F16 ? pick_dot_rows(side_by_side * per) : nullptr;
         const DotRowsQ8 dots_q = up_type == F16 ? nullptr : pick_dot_rows_q8(up_type, side_by_side * per);
@@ -658,7 +661,7 @@ bool sparse_ffn_fused_cpu(const at::Tensor& x, const at::Tensor& up, int64_t up_
   const int64_t TD = T * D;
   at::parallel_for(0, TD, std::max<int64_t>(256, TD / std::max(1, n_threads)), [&](int64_t b, int64_t e) {
     for (int tid = 0; tid < n_threads; ++tid) {
-      const float* p = partial.data() + static_cast<int64_t>(tid) * TD;
+      const float* p = partial.get() + static_cast<int64_t>(tid) * TD;
       for (int64_t i = b; i < e; ++i) yp[i] += p[i];
     }
   });
