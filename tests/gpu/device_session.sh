@@ -13,6 +13,7 @@
 #   One 10-minute call fits HS_STAGES=synth13,hybrid,hprof after a build (~5 min with -n 16).
 #   scenario: `hs-bench scenario` for each of HS_SCENARIOS (default "S4 S5"; S1 alone fills a call)
 #   serve: the server's GPU tests, then a 32-client load test of hs-serve on a 7B-shaped model in /dev/shm
+#   chain: S1's Falcon-40B at 24 GiB, a decode step's host time per part (graphs vs the event path)
 set -uo pipefail
 OUT=${OUT:-gpu-results}
 mkdir -p "$OUT"
@@ -107,6 +108,12 @@ timeout ${HS_TEST_TIMEOUT:-200} python3 -m pytest -q --tb=short -rf tests/gpu/te
 [ -f /dev/shm/relu-llama-2-7b-f16-powerinfer.gguf ] || hs-bench synth --shape relu-llama-2-7b --layout powerinfer -o /dev/shm 2>&1 | tail -1
 timeout 300 hs-bench serve -m /dev/shm/relu-llama-2-7b-f16-powerinfer.gguf -t 16 --clients 32 --duration ${HS_SERVE_S:-60} \
   --single-duration 15 -c 256 --server-args "${HS_SERVE_ARGS:---vram-budget 16}" --json "$OUT/serve-h200-7b.json" 2>&1 | tail -15
+fi
+if [[ $STAGES == *,chain,* ]]; then  # where S1's per-layer time goes: the Falcon-40B step by part
+MF=/dev/shm/relu-falcon-40b-f16-powerinfer.gguf
+[ -f $MF ] || hs-bench synth --shape relu-falcon-40b --layout powerinfer -o /dev/shm 2>&1 | tail -1
+HS_HYBRID_TIMING=1 HS_PROFILE_MODES=${HS_PROFILE_MODES:-graphs,events} timeout 300 python3 tests/gpu/profile_hybrid.py \
+  $MF 24 predictor 2>&1 | grep -v "^hybrid:\|placing layers" | head -60 | tee "$OUT/profile_hybrid_s1.txt"
 fi
 if [[ $STAGES == *,sprobe,* ]]; then  # batched hybrid decode step by step (what hs-serve runs with many clients)
 [ -f /dev/shm/relu-llama-2-7b-f16-powerinfer.gguf ] || hs-bench synth --shape relu-llama-2-7b --layout powerinfer -o /dev/shm 2>&1 | tail -1
