@@ -51,14 +51,22 @@ def _files(path: Path) -> list[Path]:
 
 
 def load_documents(corpus: str | None, text_field: str = "text") -> list[tuple[str, str]]:
-    """(name, text) pairs; large files are split into documents of ~20 lines (text) or rows (jsonl/parquet)."""
+    """(name, text) pairs; text files are split into documents of 20 lines, jsonl/parquet into rows
+    (read with `datasets`)."""
     if corpus is None:
         return stdlib_documents()
-    import datasets
-    datasets.disable_progress_bars()
     docs = []
     for f in _files(Path(corpus)):
         kind = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}.get(f.suffix, "text")
+        if kind == "text":  # plain text needs no `datasets` (nor its import time): one row per line
+            try:
+                rows = f.read_text(encoding="utf-8").splitlines()
+            except (OSError, UnicodeDecodeError) as e:
+                raise InputError(f"{f}: cannot read as UTF-8 text ({type(e).__name__}: {e})") from None
+            docs.extend((f"{f.name}:{i}", "\n".join(rows[i:i + 20])) for i in range(0, len(rows), 20))
+            continue
+        import datasets
+        datasets.disable_progress_bars()
         try:
             ds = datasets.load_dataset(kind, data_files=str(f), split="train")
         except Exception as e:  # unreadable / malformed file
@@ -66,11 +74,7 @@ def load_documents(corpus: str | None, text_field: str = "text") -> list[tuple[s
         if text_field not in ds.column_names:
             raise InputError(f"{f}: no field {text_field!r} (fields: {ds.column_names})")
         rows = ds[text_field]
-        if kind == "text":  # one row per line: documents of 20 lines
-            for i in range(0, len(rows), 20):
-                docs.append((f"{f.name}:{i}", "\n".join(rows[i:i + 20])))
-        else:
-            docs.extend((f"{f.name}:{i}", t) for i, t in enumerate(rows) if isinstance(t, str) and t.strip())
+        docs.extend((f"{f.name}:{i}", t) for i, t in enumerate(rows) if isinstance(t, str) and t.strip())
     return docs
 
 

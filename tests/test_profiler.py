@@ -130,6 +130,19 @@ def test_bad_inputs(tmp_path, capsys):
     assert "no field 'text'" in capsys.readouterr().err
     assert P.main(["-m", str(path), "--sparsity", "1.5"]) == 1
     assert "--sparsity 1.5" in capsys.readouterr().err
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9 cr\xe8me\n".encode("latin-1"))
+    assert P.main(["-m", str(path), "--corpus", str(tmp_path / "latin1.txt")]) == 1
+    err = capsys.readouterr().err
+    assert "latin1.txt: cannot read as UTF-8 text" in err and "Traceback" not in err
+
+
+def test_text_corpus_documents_of_twenty_lines(tmp_path):
+    """Plain text is read without `datasets`: one document per 20 lines, named by file and first line."""
+    lines = [f"line {i}" for i in range(45)]
+    (tmp_path / "c.txt").write_text("\n".join(lines) + "\n")
+    docs = load_documents(str(tmp_path / "c.txt"))
+    assert [n for n, _ in docs] == ["c.txt:0", "c.txt:20", "c.txt:40"]
+    assert docs[1][1] == "\n".join(lines[20:40]) and docs[2][1] == "\n".join(lines[40:])
 
 
 def test_predictors_train_to_the_recall_target_and_round_trip(tmp_path):
