@@ -575,36 +575,12 @@ HS_AVX512 static inline __m512 scales_2(float s0, float s1) {
   return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(s0)), _mm256_set1_ps(s1), 1);
 }
 
-HS_AVX512 static inline float dot_q8_0_avx512(const void* row, const ActQ8* a, int64_t nb) {
-  static_assert(PLANE_SHIFT == 128, "dot2_vnni shifts by 7");
-  const BlockQ8_0* w = static_cast<const BlockQ8_0*>(row);
-  __m512 acc = _mm512_setzero_ps();
-  int64_t b = 0;
-  for (; b + 1 < nb; b += 2) {
-    const __m512i q = join256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[b].qs)),
-                              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[b + 1].qs)));
-    __m512i x0, x1;
-    act_planes_2(a + b, x0, x1);
-    const __mmask64 neg = _mm512_movepi8_mask(q);  // move the weight's sign onto the activations
-    x0 = _mm512_mask_sub_epi8(x0, neg, _mm512_setzero_si512(), x0);
-    x1 = _mm512_mask_sub_epi8(x1, neg, _mm512_setzero_si512(), x1);
-    const __m512i i = dot2_vnni(_mm512_abs_epi8(q), x0, x1);
-    acc = _mm512_fmadd_ps(scales_2(_cvtsh_ss(w[b].d) * a[b].d, _cvtsh_ss(w[b + 1].d) * a[b + 1].d),
-                          _mm512_cvtepi32_ps(i), acc);
-  }
-  float out = _mm512_reduce_add_ps(acc);
-  if (b < nb) {
-    __m256 t = block_dot2(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[b].qs)), a[b], _cvtsh_ss(w[b].d),
-                          _mm256_setzero_ps());
-    out += hsum(t);
-  }
-  return out;
-}
-
-// The dots of R Q8_0 rows with one quantized x, side by side (as dot_f16_rows_avx512): two blocks
-// per register as in dot_q8_0_avx512, the activation planes loaded once per pair of blocks.
+// The dots of R Q8_0 rows with one quantized x, side by side (see dot_f16_rows_avx512; R = 1 is the
+// plain dot): two blocks per 512-bit register, the weight's sign moved onto the activations, the
+// activation planes loaded once per pair of blocks for all R rows.
 template <int R>
 HS_AVX512 static inline void dot_q8_0_rows_avx512(const void* const* rows, const ActQ8* a, int64_t nb, float* out) {
+  static_assert(PLANE_SHIFT == 128, "dot2_vnni shifts by 7");
   const BlockQ8_0* w[R];
   __m512 acc[R];
   for (int r = 0; r < R; ++r) {
@@ -635,30 +611,17 @@ HS_AVX512 static inline void dot_q8_0_rows_avx512(const void* const* rows, const
   }
 }
 
-// Q4_0 / Q5_0: unsigned weights straight into 256-bit VNNI (one vpdpbusd per plane instead of
-// maddubs + madd), the offset subtracted once per block as in AVX2. (Two blocks per 512-bit register
-// measured slower on Zen 4, whose 512-bit integer ops are double-pumped.)
-template <int64_t QT>
-HS_AVX512 static inline float dot_q45_0_vnni(const void* row, const ActQ8* a, int64_t nb) {
-  constexpr float offset = QT == Q4_0 ? 8.f : 16.f;
-  __m256 acc = _mm256_setzero_ps();
-  float corr = 0.f;
-  for (int64_t b = 0; b < nb; ++b) {
-    float dw;
-    const __m256i qu = unsigned_block_q45_0<QT>(row, b, dw);
-    const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a[b].qs[0]));
-    const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a[b].qs[1]));
-    const __m256i i = _mm256_add_epi32(_mm256_slli_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), qu, x0), 7),
-                                       _mm256_dpbusd_epi32(_mm256_setzero_si256(), qu, x1));
-    const float s = dw * a[b].d;
-    acc = _mm256_fmadd_ps(_mm256_set1_ps(s), _mm256_cvtepi32_ps(i), acc);
-    corr += s * offset * static_cast<float>(a[b].sum);
-  }
-  return hsum(acc) - corr;
+HS_AVX512 static inline float dot_q8_0_avx512(const void* row, const ActQ8* a, int64_t nb) {
+  float out;
+  dot_q8_0_rows_avx512<1>(&row, a, nb, &out);
+  return out;
 }
 
-// The dots of R Q4_0 / Q5_0 rows with one quantized x, side by side (as dot_f16_rows_avx512): the
-// activation planes loaded once per block for all R rows.
+// The dots of R Q4_0 / Q5_0 rows with one quantized x, side by side (R = 1 is the plain dot): unsigned
+// weights straight into 256-bit VNNI (one vpdpbusd per plane instead of maddubs + madd), the offset
+// subtracted once per block as in AVX2, the activation planes loaded once per block for all R rows.
+// (Two blocks per 512-bit register measured slower on Zen 4, whose 512-bit integer ops are
+// double-pumped.)
 template <int64_t QT, int R>
 HS_AVX512 static inline void dot_q45_0_rows_vnni(const void* const* rows, const ActQ8* a, int64_t nb, float* out) {
   constexpr float offset = QT == Q4_0 ? 8.f : 16.f;
@@ -682,6 +645,12 @@ HS_AVX512 static inline void dot_q45_0_rows_vnni(const void* const* rows, const 
   for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]) - cr[r];
 }
 
+template <int64_t QT>
+HS_AVX512 static inline float dot_q45_0_vnni(const void* row, const ActQ8* a, int64_t nb) {
+  float out;
+  dot_q45_0_rows_vnni<QT, 1>(&row, a, nb, &out);
+  return out;
+}
 HS_AVX512 static inline float dot_q4_0_avx512(const void* row, const ActQ8* a, int64_t nb) {
   return dot_q45_0_vnni<Q4_0>(row, a, nb);
 }
@@ -689,22 +658,9 @@ HS_AVX512 static inline float dot_q5_0_avx512(const void* row, const ActQ8* a, i
   return dot_q45_0_vnni<Q5_0>(row, a, nb);
 }
 
-HS_AVX512 static inline float dot_f16_avx512(const void* row, const float* x, int64_t n) {
-  const uint16_t* w = static_cast<const uint16_t*>(row);
-  __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
-  int64_t i = 0;
-  for (; i + 32 <= n; i += 32) {
-    a0 = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + i))),
-                         _mm512_loadu_ps(x + i), a0);
-    a1 = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + i + 16))),
-                         _mm512_loadu_ps(x + i + 16), a1);
-  }
-  return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1)) + (i < n ? dot_f16_avx2(w + i, x + i, n - i) : 0.f);
-}
-
 // The dots of R float16 rows with one x (out[r] = rows[r] . x): R rows streamed side by side, x read
-// once per step, two sums per row. For the fused sparse FFN, whose rows are scattered: more streams in
-// flight per core than one row at a time gives.
+// once per step, two sums per row; R = 1 is the plain dot. For rows scattered in memory (sparse
+// row-dots, the fused FFN) more streams in flight per core than one row at a time gives.
 template <int R>
 HS_AVX512 static inline void dot_f16_rows_avx512(const void* const* rows, const float* x, int64_t n, float* out) {
   const uint16_t* w[R];
@@ -725,6 +681,12 @@ HS_AVX512 static inline void dot_f16_rows_avx512(const void* const* rows, const 
   }
   for (int r = 0; r < R; ++r)
     out[r] = _mm512_reduce_add_ps(_mm512_add_ps(a[r][0], a[r][1])) + (i < n ? dot_f16_avx2(w[r] + i, x + i, n - i) : 0.f);
+}
+
+HS_AVX512 static inline float dot_f16_avx512(const void* row, const float* x, int64_t n) {
+  float out;
+  dot_f16_rows_avx512<1>(&row, x, n, &out);
+  return out;
 }
 
 HS_AVX512 static inline void axpy_group_f16_avx512(const float* s, const void* const* rows, float* y, int64_t n) {

@@ -145,8 +145,8 @@ inline void prefetch_bytes(const char* p, int64_t n, int mode) {
 // Rows (float16, Q8_0, Q4_0, Q5_0; AVX-512) one thread streams side by side for one token when fewer
 // than half a weight's rows are listed: neurons in the fused FFN, rows in the row-dot (HS_FFN_ROWS: 1,
 // 2 or 4, default 4; read per call like HS_FUSED_FFN). Scattered rows one at a time leave the memory
-// idle (dev VM, 10% of 13824 rows, 2 threads: 1.4-1.7x); consecutive rows lose (0.5-0.9x). Several rows in flight per core keep more of the memory's
-// bandwidth busy than one scattered row at a time.
+// idle (dev VM, 10% of 13824 rows, 2 threads: 1.4-1.7x); consecutive rows, which the hardware
+// prefetcher follows as one stream, lose (0.5-0.9x).
 int ffn_rows() {
   const char* v = std::getenv("HS_FFN_ROWS");
   const int n = v ? std::atoi(v) : 4;
@@ -161,8 +161,8 @@ using DotRowsQ8 = void (*)(const void* const*, const ActQ8*, int64_t, float*);
 bool has_dot_rows(int64_t qtype) {
   return cpu_has_avx512() && (qtype == F16 || qtype == Q8_0 || qtype == Q4_0 || qtype == Q5_0);
 }
-// the dots of n_rows rows side by side, n_rows in {1, 2, 4, 8}: float16 rows against x, Q4_0/Q5_0
-// rows against the quantized x (null for other types)
+// the dots of n_rows rows side by side, n_rows in {1, 2, 4, 8}: float16 rows against x, Q8_0/Q4_0/
+// Q5_0 rows against the quantized x (null for other types)
 DotRows pick_dot_rows(int n_rows) {
   switch (n_rows) {
     case 2: return dot_f16_rows_avx512<2>;
@@ -279,7 +279,7 @@ std::vector<at::Tensor> qmatmul_rows_cpu(const std::vector<at::Tensor>& ws, cons
         const DotRowsQ8 dots_q = is_float ? nullptr : pick_dot_rows_q8(qtype, side);
         const void* rws[8];
         for (; k + side <= k_end; k += side) {
-          for (int j = 0; j < side; ++j) rws[j] = wp + static_cast<int64_t>(idx ? idx[k + j] : k + j) * row_bytes;
+          for (int j = 0; j < side; ++j) rws[j] = wp + static_cast<int64_t>(idx[k + j]) * row_bytes;
           if (dots) dots(rws, xp, K, yp + k);
           else dots_q(rws, act32.data(), nb, yp + k);
         }
@@ -510,7 +510,6 @@ bool fused_enabled() {  // read per call (tens of ns): benchmarks switch it with
   return !(v && v[0] == '0');
 }
 
-
 }  // namespace
 
 bool sparse_ffn_fused_cpu(const at::Tensor& x, const at::Tensor& up, int64_t up_type,
@@ -583,6 +582,21 @@ bool sparse_ffn_fused_cpu(const at::Tensor& x, const at::Tensor& up, int64_t up_
       const void* rows[AXPY_GROUP];
       float sc[AXPY_GROUP];
       int n_group = 0;
+      // neuron r's h from its row-dots (g unused without a gate)
+      const auto activation = [&](int64_t r, float u, float g) {
+        if (bp) u += bp[r];
+        return gated ? act_scalar(g, act) * (act_on_up ? act_scalar(u, act) : u) : act_scalar(u, act);
+      };
+      // one token: neuron r's down row queued for the grouped axpy
+      const auto queue_down = [&](int64_t r, float h) {
+        rows[n_group] = dp + r * drow;
+        if (pf) prefetch_bytes(reinterpret_cast<const char*>(rows[n_group]), drow, pf);
+        sc[n_group++] = h;
+        if (n_group == AXPY_GROUP) {
+          group(sc, rows, acc, D);
+          n_group = 0;
+        }
+      };
       const int64_t r0 = M * tid / n_threads, r1 = M * (tid + 1) / n_threads;
       int64_t k = r0;
       if (side_by_side > 1) {  // one token: `side_by_side` neurons' rows streamed together
@@ -601,18 +615,9 @@ bool sparse_ffn_fused_cpu(const at::Tensor& x, const at::Tensor& up, int64_t up_
           else dots_q(rws, act32.data(), nb, val);
           for (int j = 0; j < side_by_side; ++j) {
             const int64_t r = ip[k + j];
-            float u = val[j * per];
-            if (bp) u += bp[r];
-            const float h = gated ? act_scalar(val[j * per + 1], act) * (act_on_up ? act_scalar(u, act) : u)
-                                  : act_scalar(u, act);
+            const float h = activation(r, val[j * per], gated ? val[j * per + 1] : 0.f);
             hp[k + j] = h;
-            if (h == 0.f) continue;
-            rows[n_group] = dp + r * drow;
-            sc[n_group++] = h;
-            if (n_group == AXPY_GROUP) {
-              group(sc, rows, acc, D);
-              n_group = 0;
-            }
+            if (h != 0.f) queue_down(r, h);
           }
         }
       }
@@ -629,28 +634,13 @@ bool sparse_ffn_fused_cpu(const at::Tensor& x, const at::Tensor& up, int64_t up_
           if (mp && !mp[t * M + k]) continue;
           const float* xt = xp + t * K;
           const ActQ8* at = dq ? act32.data() + t * nb : nullptr;
-          float u = df ? df(ur, xt, K) : dq(ur, at, nb);
-          if (bp) u += bp[r];
-          float h;
-          if (gated) {
-            const float g = df ? df(gr, xt, K) : dq(gr, at, nb);
-            h = act_scalar(g, act) * (act_on_up ? act_scalar(u, act) : u);
-          } else {
-            h = act_scalar(u, act);
-          }
+          const float u = df ? df(ur, xt, K) : dq(ur, at, nb);
+          const float g = gated ? (df ? df(gr, xt, K) : dq(gr, at, nb)) : 0.f;
+          const float h = activation(r, u, g);
           hp[t * M + k] = h;
           if (h == 0.f) continue;  // a ReLU neuron that did not fire costs no down row
-          if (T > 1) {  // several tokens: the row straight into that token's sum
-            direct(h, dp + r * drow, acc + t * D, D);
-            continue;
-          }
-          rows[n_group] = dp + r * drow;
-          if (pf) prefetch_bytes(reinterpret_cast<const char*>(rows[n_group]), drow, pf);
-          sc[n_group++] = h;
-          if (n_group == AXPY_GROUP) {
-            group(sc, rows, acc, D);
-            n_group = 0;
-          }
+          if (T > 1) direct(h, dp + r * drow, acc + t * D, D);  // several tokens: straight into that token's sum
+          else queue_down(r, h);
         }
       }
       for (int j = 0; j < n_group; ++j) direct(sc[j], rows[j], acc, D);
