@@ -274,12 +274,9 @@ class HybridFFN:
                 return self._with_streamed_cold(x, mask, cold_mask)
             with _timed("send to CPU"):
                 cold_in = self._send_to_cpu(x, cold_mask)
-        y = None
-        if self.n_hot:
-            with _timed("hot launch"):
-                xf = x.to(self.fast)
-                mh = None if mask is None else mask.to(self.fast).index_select(1, self._ids(self._hot_on, self.fast))
-                y = self._hot(xf, mh).to(dev)
+        with _timed("hot launch"):
+            y = self._hot_part(x.to(self.fast), mask)
+            y = None if y is None else y.to(dev)
         if cold_in is not None:
             yc = self._cold(*cold_in, pairs=pairs)
             if yc is not None:
@@ -294,9 +291,7 @@ class HybridFFN:
                     y = yc if y is None else y + yc
         if y is None:
             y = x.new_zeros(x.shape[0], self.down_t.in_features)
-        if self.full.down_bias is not None:
-            y = y + self._down_bias(dev)
-        return y
+        return self._plus_down_bias(y)
 
     @property
     def _neuron_bytes(self) -> int:
@@ -328,21 +323,15 @@ class HybridFFN:
         """The whole layer on the fast device: the hot rows resident, the cold rows streamed in."""
         dev, fast = x.device, self.fast
         xf = x.float().to(fast)
-        y = None
-        if self.n_hot:
-            with _timed("hot launch"):
-                mh = None if mask is None else mask.to(fast).index_select(1, self._ids(self._hot_on, fast))
-                y = self._hot(xf, mh)
+        with _timed("hot launch"):
+            y = self._hot_part(xf, mask)
         with _timed("stream cold"):
             t0 = time.perf_counter()
             yc = self._stream_cold(xf, None if cold_mask is None else cold_mask.to(fast))
             if fast.type == "cuda":
                 torch.cuda.current_stream(fast).synchronize()
             _measured("stream", time.perf_counter() - t0, self.n_cold * self._neuron_bytes)
-        y = (yc if y is None else y + yc).to(dev)
-        if self.full.down_bias is not None:
-            y = y + self._down_bias(dev)
-        return y
+        return self._plus_down_bias((yc if y is None else y + yc).to(dev))
 
     def _stream_cold(self, x: torch.Tensor, cold_mask: torch.Tensor | None) -> torch.Tensor:
         w, st = self.full, _streamer(self.fast)
@@ -390,17 +379,23 @@ class HybridFFN:
             mh = None if mask is None else torch.index_select(mask, 1, self._ids(self._hot_on, dev))
             y = self._hot(x, mh)
         main.wait_stream(side)
-        y = t["yd"] + (0 if y is None else y)
-        if self.full.down_bias is not None:
-            y = y + self._down_bias(dev)
-        return y
+        return self._plus_down_bias(t["yd"] + (0 if y is None else y))
 
-    def _down_bias(self, dev: torch.device) -> torch.Tensor:
-        """The down projection's bias on `dev`, copied once (a copy from pageable memory cannot be
-        captured in a CUDA graph)."""
-        if dev not in self._bias_on:
-            self._bias_on[dev] = self.full.down_bias.to(dev)
-        return self._bias_on[dev]
+    def _hot_part(self, xf: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor | None:
+        """The active hot neurons' output on the fast device (xf is there), None without hot neurons."""
+        if not self.n_hot:
+            return None
+        mh = None if mask is None else mask.to(self.fast).index_select(1, self._ids(self._hot_on, self.fast))
+        return self._hot(xf, mh)
+
+    def _plus_down_bias(self, y: torch.Tensor) -> torch.Tensor:
+        """y plus the down projection's bias, if any, copied once to y's device (a copy from pageable
+        memory cannot be captured in a CUDA graph)."""
+        if self.full.down_bias is None:
+            return y
+        if y.device not in self._bias_on:
+            self._bias_on[y.device] = self.full.down_bias.to(y.device)
+        return y + self._bias_on[y.device]
 
     def _host_task(self, dev: torch.device) -> dict:
         if self._task is None:
