@@ -111,7 +111,7 @@ class _Streamer:
         self.computed = [torch.cuda.Event() for _ in range(2)] if self.cuda else None
 
     def chunk_neurons(self, mats: list[QWeight]) -> int:
-        return max(1, (self.slot_bytes - 256 * len(mats)) // sum(_row_bytes(q) for q in mats))
+        return max(1, (self.slot_bytes - 256 * len(mats)) // sum(q.row_bytes for q in mats))
 
     def stage(self, k: int, mats: list[QWeight], ids: torch.Tensor) -> list[QWeight]:
         """The rows `ids` of each weight, gathered into slot k % 2 and on the device (queued)."""
@@ -120,7 +120,7 @@ class _Streamer:
             self.copied[s].synchronize()  # the slot's pinned buffer has been read by its last copy
         views, off = [], 0
         for q in mats:
-            nb = n * _row_bytes(q)
+            nb = n * q.row_bytes
             host = self.host[s][off:off + nb].view(q.data.dtype).view(n, -1)
             torch.index_select(q.data, 0, ids, out=host)
             views.append((host, self.buf[s][off:off + nb].view(q.data.dtype).view(n, -1), q))
@@ -147,10 +147,6 @@ def _streamer(dev: torch.device) -> _Streamer:
     if dev not in _STREAMERS:
         _STREAMERS[dev] = _Streamer(dev)
     return _STREAMERS[dev]
-
-
-def _row_bytes(q: QWeight) -> int:
-    return q.data.shape[1] * q.data.element_size()
 
 
 _SIDE_STREAMS: dict[torch.device, "torch.cuda.Stream"] = {}
@@ -295,7 +291,7 @@ class HybridFFN:
 
     @property
     def _neuron_bytes(self) -> int:
-        return sum(_row_bytes(q) for q in self._cold_mats())
+        return sum(q.row_bytes for q in self._cold_mats())
 
     def _cold_mats(self) -> list[QWeight]:
         return [q for q in (self.full.up, self.full.gate, self.down_t) if q is not None]

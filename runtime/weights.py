@@ -34,6 +34,10 @@ class QWeight:
     def nbytes(self) -> int:
         return self.data.numel() * self.data.element_size()
 
+    @property
+    def row_bytes(self) -> int:
+        return self.data.shape[1] * self.data.element_size()
+
     @classmethod
     def from_raw(cls, raw: torch.Tensor, qtype: Q, in_features: int) -> "QWeight":
         if qtype in FLOAT_TYPES:

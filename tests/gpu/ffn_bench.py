@@ -46,7 +46,7 @@ for name in names:
             for rep in range(12):
                 idx = torch.randperm(n_ff, generator=torch.Generator().manual_seed(rep))[:m].sort().values.int()
                 t0 = time.perf_counter()
-                y, h = kernels.sparse_ffn(x, up, qt, gate, qt, down_t, qt, idx, None, "relu" if not gated else "relu", False)
+                y, h = kernels.sparse_ffn(x, up, qt, gate, qt, down_t, qt, idx, None, "relu", False)
                 dt = time.perf_counter() - t0
                 if rep >= 2:
                     fired = int((h != 0).sum())
