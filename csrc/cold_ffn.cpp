@@ -7,12 +7,21 @@
 // The task: compact the cold ids whose mask entry is set, run the fused sparse FFN over them
 // (sparse_ffn_cpu, at::parallel_for threads), write y (zeros when nothing cold is active).
 // Exceptions cannot leave a host node: the first message is kept for cold_ffn_error().
+// The task's threads: the `-t` count in force when it was made, from the spinning pool of csrc/pool.h
+// (HS_COLD_POOL=0: OpenMP, as before, for side-by-side measurements).
 #include <ATen/ATen.h>
 
+#include <atomic>
+#include <chrono>
+#include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <tuple>
+#include <vector>
+
+#include "pool.h"
 
 #ifdef HS_WITH_CUDA
 #include <c10/cuda/CUDAException.h>
@@ -39,6 +48,22 @@ struct ColdFFN {
   bool act_on_up;
 };
 
+// The tasks' thread count: `-t` as in force when the last task was made, or cold_ffn_set_threads's
+std::atomic<int> task_threads{1};
+
+bool skip_compute() {  // HS_COLD_SKIP=1 (diagnostics): y = 0 at once, to time a step without CPU work
+  const char* v = std::getenv("HS_COLD_SKIP");
+  return v && v[0] == '1';
+}
+
+bool pool_enabled() {  // read per task (tens of ns): benchmarks switch it within one process
+  const char* v = std::getenv("HS_COLD_POOL");
+  return !(v && v[0] == '0');
+}
+
+// Time inside tasks and their count, for tools (cold_ffn_stats)
+std::atomic<int64_t> busy_ns{0}, runs{0};
+
 std::mutex error_mutex;
 std::string first_error;
 
@@ -48,7 +73,7 @@ void fail(ColdFFN* c, const char* what) {
   std::memset(c->y.data_ptr<float>(), 0, c->y.numel() * sizeof(float));
 }
 
-void run(ColdFFN* c) {
+void compute(ColdFFN* c) {
   try {
     const bool* m = c->mask.data_ptr<bool>();
     const int32_t* ids = c->ids.data_ptr<int32_t>();
@@ -57,10 +82,12 @@ void run(ColdFFN* c) {
     for (int64_t i = 0, e = c->ids.numel(); i < e; ++i)
       if (m[i]) out[n++] = ids[i];
     float* y = c->y.data_ptr<float>();
-    if (n == 0) {
+    if (n == 0 || skip_compute()) {
       std::memset(y, 0, c->y.numel() * sizeof(float));
       return;
     }
+    std::unique_ptr<PoolScope> scope;
+    if (pool_enabled()) scope.reset(new PoolScope(task_threads.load()));
     const at::Tensor yv = std::get<0>(sparse_ffn_cpu(c->x, c->up, c->up_type, c->gate, c->gate_type, c->down_t,
                                                      c->down_type, c->idx.narrow(0, 0, n), c->up_bias, c->act,
                                                      c->act_on_up));
@@ -70,6 +97,13 @@ void run(ColdFFN* c) {
   } catch (const std::exception& e) {
     fail(c, e.what());
   }
+}
+
+void run(ColdFFN* c) {
+  const auto t0 = std::chrono::steady_clock::now();
+  compute(c);
+  busy_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
+  ++runs;
 }
 
 ColdFFN* get(int64_t handle) {
@@ -102,10 +136,19 @@ int64_t cold_ffn_new(const at::Tensor& x, const at::Tensor& mask, const at::Tens
   sparse_ffn_cpu(x, up, up_type, gate, gate_type, down_t, down_type, ids.narrow(0, 0, 0), up_bias, act, act_on_up);
   auto* c = new ColdFFN{x, mask, ids, at::empty_like(ids), y, up, down_t, gate, up_bias,
                         up_type, gate_type, down_type, act, act_on_up};
+  task_threads = num_threads();
   return reinterpret_cast<int64_t>(c);
 }
 
 void cold_ffn_run(int64_t handle) { run(get(handle)); }
+
+void cold_ffn_set_threads(int64_t n) {
+  TORCH_CHECK(n >= 1 && n <= 1024, "cold_ffn_set_threads: expected 1..1024 threads, got ", n);
+  task_threads = static_cast<int>(n);
+}
+
+// [task runs, nanoseconds inside them] since the process started
+std::vector<int64_t> cold_ffn_stats() { return {runs.load(), busy_ns.load()}; }
 
 void cold_ffn_free(int64_t handle) { delete get(handle); }
 

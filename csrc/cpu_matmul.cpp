@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "cpu_dot.h"
+#include "pool.h"
 
 namespace hs {
 namespace {
@@ -573,10 +574,10 @@ bool sparse_ffn_fused_cpu(const at::Tensor& x, const at::Tensor& up, int64_t up_
   const int side_by_side =
       (T == 1 && !masked && 2 * M < up.size(0) && has_dot_rows(up_type)) ? ffn_rows() : 1;
   // at least 8 neurons a thread: fewer is not worth waking a thread for
-  const int n_threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), M / 8)));
+  const int n_threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads(), M / 8)));
   std::unique_ptr<float[]> partial(new float[static_cast<size_t>(n_threads) * T * D]);  // zeroed per thread
-  at::parallel_for(0, n_threads, 1, [&](int64_t tb, int64_t te) {
-    for (int64_t tid = tb; tid < te; ++tid) {
+  parallel_threads(n_threads, [&](int tid) {
+    {
       float* acc = partial.get() + tid * T * D;
       std::fill(acc, acc + T * D, 0.f);
       const void* rows[AXPY_GROUP];
@@ -649,7 +650,9 @@ bool sparse_ffn_fused_cpu(const at::Tensor& x, const at::Tensor& up, int64_t up_
   float* yp = y_out.data_ptr<float>();
   // the threads' sums added slice by slice (16 x 5120 floats for a 13B layer: ~30 us on one thread)
   const int64_t TD = T * D;
-  at::parallel_for(0, TD, std::max<int64_t>(256, TD / std::max(1, n_threads)), [&](int64_t b, int64_t e) {
+  const int n_slices = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(n_threads, TD / 256)));
+  parallel_threads(n_slices, [&](int s) {
+    const int64_t b = TD * s / n_slices, e = TD * (s + 1) / n_slices;
     for (int tid = 0; tid < n_threads; ++tid) {
       const float* p = partial.get() + static_cast<int64_t>(tid) * TD;
       for (int64_t i = b; i < e; ++i) yp[i] += p[i];

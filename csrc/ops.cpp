@@ -41,6 +41,9 @@ void cold_ffn_run(int64_t handle);
 void cold_ffn_enqueue(int64_t handle);
 void cold_ffn_free(int64_t handle);
 std::string cold_ffn_error();
+std::vector<int64_t> cold_ffn_stats();
+void cold_ffn_set_threads(int64_t n);
+void pool_configure(int64_t spin_us, int64_t yield_us);
 }  // namespace hs
 
 TORCH_LIBRARY(hybridsparse, m) {
@@ -98,4 +101,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cold_ffn_enqueue", &hs::cold_ffn_enqueue, "run the task as a host node of the current CUDA stream");
   m.def("cold_ffn_free", &hs::cold_ffn_free);
   m.def("cold_ffn_error", &hs::cold_ffn_error, "the first error a task met since the last call, cleared");
+  m.def("cold_ffn_set_threads", &hs::cold_ffn_set_threads, "the tasks' thread count from now on (made: -t then)");
+  m.def("pool_configure", &hs::pool_configure, "the cold FFN pool's idle threads: spin_us spinning (yielding after yield_us), then sleep");
+  m.def("cold_ffn_stats", &hs::cold_ffn_stats, "[task runs, nanoseconds inside them] since the process started");
 }

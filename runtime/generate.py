@@ -2,11 +2,14 @@
 
 On CUDA, when every layer is on the GPU (hybrid layers included: their CPU part is a host node of
 the stream), each decode step replays a captured CUDA graph (one per power-of-two range of context
-length), so a step costs one launch instead of hundreds.
+length), so a step costs one launch instead of hundreds. When the graph holds CPU work (host nodes),
+this thread then sleeps until the step is done (a blocking-sync event) instead of spinning in the
+copy of the logits: the CPU's cores are the cold FFN's (HS_GRAPH_WAIT=spin: the spinning wait).
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -55,6 +58,8 @@ class _DecodeGraphs:
         self.x = torch.zeros(1, model.config.d_model, device=device)  # the embedded token, when embedded outside
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle()
+        host_work = any(getattr(getattr(layer, "ffn", None), "n_cold", 0) for layer in model.layers)
+        self.done = torch.cuda.Event(blocking=True) if host_work else None
 
     def bucket(self, kv_len: int) -> int:
         b = MIN_GRAPH_BUCKET
@@ -87,6 +92,9 @@ class _DecodeGraphs:
             self.graphs[b] = (graph, out)
         graph, out = self.graphs[b]
         graph.replay()
+        if self.done is not None and os.environ.get("HS_GRAPH_WAIT", "block") != "spin":
+            self.done.record()
+            self.done.synchronize()
         return out if self.head_inside else self.model.finish(out)
 
 

@@ -256,6 +256,59 @@ def test_cold_ffn_task(qtype, density):
         kernels.cpu.cold_ffn_free(task)
 
 
+@pytest.mark.parametrize("n_threads", [1, 2, 4])
+def test_cold_ffn_task_pool(n_threads, monkeypatch):
+    """The task's threads come from the spinning pool (csrc/pool.cpp) with the thread count in force
+    when it was made, also when it runs on another thread (the CUDA driver's, on the GPU machine):
+    many runs in a row, some after the pool's threads went to sleep, agree with the fused FFN on this
+    thread and with the OpenMP path (HS_COLD_POOL=0); the task counter sees every run."""
+    import threading
+    import time
+    d, n_ff = 256, 512
+    qtype = Q.Q8_0
+    up, gate, down_t = (random_rows(qtype, n_ff, d, seed=s) for s in (1, 2, 3))
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randperm(n_ff, generator=g)[:400].int()
+    x, y = torch.randn(1, d), torch.zeros(1, d)
+    mask = torch.rand(1, ids.numel(), generator=g) < 0.5
+    before = torch.get_num_threads()
+    torch.set_num_threads(n_threads)
+    try:
+        task = kernels.cold_ffn_task(x, mask, ids, y, up, qtype, gate, qtype, down_t, qtype, None, "silu", False)
+    finally:
+        torch.set_num_threads(before)
+    results, runs0 = [], kernels.cpu.cold_ffn_stats()[0]
+
+    def runner():
+        for i in range(40):
+            x.normal_(generator=torch.Generator().manual_seed(i))
+            kernels.cpu.cold_ffn_run(task)
+            results.append((x.clone(), y.clone()))
+            if i == 20:
+                time.sleep(0.01)  # past HS_POOL_SPIN_US: the pool's threads sleep and must be woken
+
+    try:
+        t = threading.Thread(target=runner)
+        t.start()
+        t.join()
+        monkeypatch.setenv("HS_COLD_POOL", "0")
+        kernels.cpu.cold_ffn_run(task)
+        y_omp = y.clone()
+        assert kernels.cpu.cold_ffn_error() == ""
+        assert kernels.cpu.cold_ffn_stats()[0] - runs0 == 41
+    finally:
+        kernels.cpu.cold_ffn_free(task)
+    active = ids[mask[0]]
+    torch.set_num_threads(n_threads)
+    try:
+        for xi, yi in results:
+            ref, _ = kernels.sparse_ffn(xi, up, qtype, gate, qtype, down_t, qtype, active, None, "silu", False)
+            torch.testing.assert_close(yi, ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(y_omp, ref, rtol=1e-4, atol=1e-4)  # OpenMP: this thread's count
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_cold_ffn_task_errors():
     """Bad buffers, ids and weights are refused in one line when the task is made (in Python: a C++
     exception takes the GPU machine's process down, and the task runs where none can be raised)."""

@@ -29,7 +29,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 STAGES=",${HS_STAGES:-tests,small},"
 M13=/dev/shm/relu-llama-2-13b-f16-powerinfer.gguf  # synth13's model (planted statistics, exact predictors)
 if [[ $STAGES == *,htests,* ]]; then  # the hybrid runtime's GPU tests and the CPU ops they stand on
-  timeout ${HS_TEST_TIMEOUT:-300} python3 -m pytest -q --tb=short -rf ${HS_TEST_ARGS:-tests/gpu/test_hybrid_cuda.py tests/gpu/test_pipeline_cuda.py tests/test_sparse_ops.py} 2>&1 \
+  timeout ${HS_TEST_TIMEOUT:-300} python3 -m pytest -q --tb=short -rf ${HS_TEST_ARGS:-tests/gpu/test_hybrid_cuda.py tests/gpu/test_pipeline_cuda.py tests/test_sparse_ops.py} ${HS_TEST_K:+-k "$HS_TEST_K"} 2>&1 \
     | tee "$OUT/pytest-hybrid.txt" | tail -25
 fi
 if [[ $STAGES == *,tests,* ]]; then
@@ -113,7 +113,7 @@ if [[ $STAGES == *,chain,* ]]; then  # where S1's per-layer time goes: the Falco
 MF=/dev/shm/relu-falcon-40b-f16-powerinfer.gguf
 [ -f $MF ] || hs-bench synth --shape relu-falcon-40b --layout powerinfer -o /dev/shm 2>&1 | tail -1
 HS_HYBRID_TIMING=1 HS_PROFILE_MODES=${HS_PROFILE_MODES:-graphs,events} timeout 300 python3 tests/gpu/profile_hybrid.py \
-  $MF 24 predictor 2>&1 | grep -v "^hybrid:\|placing layers" | head -60 | tee "$OUT/profile_hybrid_s1.txt"
+  $MF 24 predictor 2>&1 | grep -v "^hybrid:\|placing layers\|^ *[0-9]\+ \+[0-9]\+/" | tail -40 | tee "$OUT/profile_hybrid_s1.txt"
 fi
 if [[ $STAGES == *,sprobe,* ]]; then  # batched hybrid decode step by step (what hs-serve runs with many clients)
 [ -f /dev/shm/relu-llama-2-7b-f16-powerinfer.gguf ] || hs-bench synth --shape relu-llama-2-7b --layout powerinfer -o /dev/shm 2>&1 | tail -1

@@ -3,8 +3,13 @@
   - host nodes: the same queued op by op (no graph),
   - events: the event-synchronised path (HS_HOST_NODES=0), with host time per part (HS_HYBRID_TIMING),
   - graphs with the CPU FFN unfused (HS_FUSED_FFN=0: row-dots, activation and axpy as three passes),
+  - skip: graphs with the host nodes doing no work (HS_COLD_SKIP=1: the GPU's part and the hand-overs),
+  - t-1: graphs with the host nodes on one thread less than HS_THREADS,
+  - noyield / sleep: the pool's idle threads spin without yielding / sleep at once,
+  - omp / spin / omp-spin: graphs with the host nodes' threads from OpenMP (HS_COLD_POOL=0) instead of
+    the spinning pool, and/or this thread spinning while a step runs (HS_GRAPH_WAIT=spin),
 and torch's profile of two eager steps. HS_PROFILE_MODES=graphs (a comma list of graphs, unfused, eager,
-events) runs only those and skips torch's profile; HS_THREADS sets the thread count (default 16).
+events, omp, spin, omp-spin, skip, t-1, noyield, sleep) runs only those and skips torch's profile; HS_THREADS sets the thread count (default 16).
   HS_HYBRID_TIMING=1 python tests/gpu/profile_hybrid.py MODEL BUDGET_GIB [MODE] [N]"""
 
 import os
@@ -18,6 +23,7 @@ from hybridsparse.runtime.generate import Generator
 from hybridsparse.runtime.hybrid import HybridOptions
 from hybridsparse.runtime.loader import open_model
 
+kernels.ops()  # built or loaded now: kernels.cpu below
 model, budget = sys.argv[1], float(sys.argv[2])
 mode = sys.argv[3] if len(sys.argv) > 3 else "sampled"
 n = int(sys.argv[4]) if len(sys.argv) > 4 else 16
@@ -47,15 +53,33 @@ def decode(use_graphs: bool, host_nodes: bool) -> float:
 
 
 modes = os.environ.get("HS_PROFILE_MODES", "graphs,unfused,eager,events").split(",")
-for key, label, graphs, nodes, fused in (("graphs", "graphs + host nodes", True, True, "1"),
-                                         ("unfused", "the same, HS_FUSED_FFN=0", True, True, "0"),
-                                         ("eager", "host nodes, no graph", False, True, "1"),
-                                         ("events", "events (HS_HOST_NODES=0)", False, False, "1")):
+# key, label, graphs, host nodes, environment (the compiled code reads these per call)
+VARIANTS = (("graphs", "graphs + host nodes", True, True, {}),
+            ("omp", "the same, OpenMP threads", True, True, {"HS_COLD_POOL": "0"}),
+            ("spin", "the same, spinning wait", True, True, {"HS_GRAPH_WAIT": "spin"}),
+            ("omp-spin", "OpenMP + spinning wait", True, True, {"HS_COLD_POOL": "0", "HS_GRAPH_WAIT": "spin"}),
+            ("skip", "the same, no CPU work", True, True, {"HS_COLD_SKIP": "1"}),
+            ("t-1", "the same, one thread less", True, True, {}),
+            ("noyield", "the same, pool never yields", True, True, {}),
+            ("sleep", "the same, pool sleeps at once", True, True, {}),
+            ("unfused", "the same, HS_FUSED_FFN=0", True, True, {"HS_FUSED_FFN": "0"}),
+            ("eager", "host nodes, no graph", False, True, {}),
+            ("events", "events (HS_HOST_NODES=0)", False, False, {}))
+for key, label, graphs, nodes, env in VARIANTS:
     if key not in modes:
         continue
-    os.environ["HS_FUSED_FFN"] = fused  # the compiled CPU FFN reads it per call
+    saved = {k: os.environ.get(k) for k in ("HS_COLD_POOL", "HS_GRAPH_WAIT", "HS_FUSED_FFN", "HS_COLD_SKIP")}
+    kernels.cpu.cold_ffn_set_threads(torch.get_num_threads() - (key == "t-1"))
+    kernels.cpu.pool_configure(*{"noyield": (2000, 2000), "sleep": (0, 0)}.get(key, (2000, 50)))
+    os.environ.update(env)
+    runs0, busy0 = kernels.cpu.cold_ffn_stats()
     dt = decode(graphs, nodes)
-    print(f"{label:26s} {dt * 1e3:7.1f} ms per token ({1 / dt:6.2f} tok/s)")
+    runs, busy = (a - b for a, b in zip(kernels.cpu.cold_ffn_stats(), (runs0, busy0)))
+    steps = n + 5  # the timed steps and the warm-up ones (cold_ffn_stats counts both)
+    for k, v in saved.items():
+        os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+    cpu = f"; host nodes {busy / 1e6 / steps:6.1f} ms of it ({runs / steps:.0f} a token)" if runs else ""
+    print(f"{label:26s} {dt * 1e3:7.1f} ms per token ({1 / dt:6.2f} tok/s){cpu}")
 if hybrid.TIMING:
     print("host time per token by part (events path):")
     for k, v in sorted(hybrid.TIMING.items(), key=lambda kv: -kv[1]):
