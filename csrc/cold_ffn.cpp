@@ -61,8 +61,8 @@ bool pool_enabled() {  // read per task (tens of ns): benchmarks switch it withi
   return !(v && v[0] == '0');
 }
 
-// Time inside tasks and their count, for tools (cold_ffn_stats)
-std::atomic<int64_t> busy_ns{0}, runs{0};
+// Time inside tasks, their count and the neurons they computed, for tools (cold_ffn_stats)
+std::atomic<int64_t> busy_ns{0}, runs{0}, rows{0};
 
 std::mutex error_mutex;
 std::string first_error;
@@ -73,14 +73,31 @@ void fail(ColdFFN* c, const char* what) {
   std::memset(c->y.data_ptr<float>(), 0, c->y.numel() * sizeof(float));
 }
 
+// out <- ids[i] for the i where m[i] (a bool per byte), eight bytes at a time: most words of a sparse
+// mask are zero and cost one test (a ~5% dense 32k mask: ~10 us instead of ~80 us byte by byte).
+int64_t compact(const bool* m, const int32_t* ids, int64_t e, int32_t* out) {
+  int64_t n = 0, i = 0;
+  for (; i + 8 <= e; i += 8) {
+    uint64_t w;
+    std::memcpy(&w, m + i, 8);
+    while (w) {
+      const int b = __builtin_ctzll(w) >> 3;
+      out[n++] = ids[i + b];
+      w &= ~(0xffULL << (b * 8));
+    }
+  }
+  for (; i < e; ++i)
+    if (m[i]) out[n++] = ids[i];
+  return n;
+}
+
 void compute(ColdFFN* c) {
   try {
     const bool* m = c->mask.data_ptr<bool>();
     const int32_t* ids = c->ids.data_ptr<int32_t>();
     int32_t* out = c->idx.data_ptr<int32_t>();
-    int64_t n = 0;
-    for (int64_t i = 0, e = c->ids.numel(); i < e; ++i)
-      if (m[i]) out[n++] = ids[i];
+    const int64_t n = compact(m, ids, c->ids.numel(), out);
+    rows += n;
     float* y = c->y.data_ptr<float>();
     if (n == 0 || skip_compute()) {
       std::memset(y, 0, c->y.numel() * sizeof(float));
@@ -147,8 +164,8 @@ void cold_ffn_set_threads(int64_t n) {
   task_threads = static_cast<int>(n);
 }
 
-// [task runs, nanoseconds inside them] since the process started
-std::vector<int64_t> cold_ffn_stats() { return {runs.load(), busy_ns.load()}; }
+// [task runs, nanoseconds inside them, neurons computed] since the process started
+std::vector<int64_t> cold_ffn_stats() { return {runs.load(), busy_ns.load(), rows.load()}; }
 
 void cold_ffn_free(int64_t handle) { delete get(handle); }
 

@@ -575,10 +575,18 @@ bool sparse_ffn_fused_cpu(const at::Tensor& x, const at::Tensor& up, int64_t up_
       (T == 1 && !masked && 2 * M < up.size(0) && has_dot_rows(up_type)) ? ffn_rows() : 1;
   // at least 8 neurons a thread: fewer is not worth waking a thread for
   const int n_threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads(), M / 8)));
-  std::unique_ptr<float[]> partial(new float[static_cast<size_t>(n_threads) * T * D]);  // zeroed per thread
+  // the threads' sums (zeroed per thread), kept from call to call up to 16 MiB (a decode step's): a
+  // fresh 0.5 MiB each layer is an mmap, page faults and an munmap whose TLB shootdown interrupts every
+  // thread of the process; a prompt's larger sums are allocated per call
+  const size_t n_partial = static_cast<size_t>(n_threads) * T * D;
+  thread_local std::vector<float> kept;
+  std::unique_ptr<float[]> once;
+  if (n_partial <= (size_t{1} << 22) && kept.size() < n_partial) kept.resize(n_partial);
+  if (n_partial > (size_t{1} << 22)) once.reset(new float[n_partial]);
+  float* const partial = once ? once.get() : kept.data();
   parallel_threads(n_threads, [&](int tid) {
     {
-      float* acc = partial.get() + tid * T * D;
+      float* acc = partial + tid * T * D;
       std::fill(acc, acc + T * D, 0.f);
       const void* rows[AXPY_GROUP];
       float sc[AXPY_GROUP];
@@ -654,7 +662,7 @@ bool sparse_ffn_fused_cpu(const at::Tensor& x, const at::Tensor& up, int64_t up_
   parallel_threads(n_slices, [&](int s) {
     const int64_t b = TD * s / n_slices, e = TD * (s + 1) / n_slices;
     for (int tid = 0; tid < n_threads; ++tid) {
-      const float* p = partial.get() + static_cast<int64_t>(tid) * TD;
+      const float* p = partial + static_cast<int64_t>(tid) * TD;
       for (int64_t i = b; i < e; ++i) yp[i] += p[i];
     }
   });

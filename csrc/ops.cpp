@@ -103,5 +103,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cold_ffn_error", &hs::cold_ffn_error, "the first error a task met since the last call, cleared");
   m.def("cold_ffn_set_threads", &hs::cold_ffn_set_threads, "the tasks' thread count from now on (made: -t then)");
   m.def("pool_configure", &hs::pool_configure, "the cold FFN pool's idle threads: spin_us spinning (yielding after yield_us), then sleep");
-  m.def("cold_ffn_stats", &hs::cold_ffn_stats, "[task runs, nanoseconds inside them] since the process started");
+  m.def("cold_ffn_stats", &hs::cold_ffn_stats, "[task runs, nanoseconds inside them, neurons computed] since the process started");
 }

@@ -52,6 +52,8 @@ def decode(use_graphs: bool, host_nodes: bool) -> float:
         return (time.perf_counter() - t) / n
 
 
+ffn0 = next(l.ffn for l in m.layers if getattr(l.ffn, "n_cold", 0))
+neuron_bytes = ffn0._neuron_bytes  # up, gate and down rows of one neuron
 modes = os.environ.get("HS_PROFILE_MODES", "graphs,unfused,eager,events").split(",")
 # key, label, graphs, host nodes, environment (the compiled code reads these per call)
 VARIANTS = (("graphs", "graphs + host nodes", True, True, {}),
@@ -72,13 +74,17 @@ for key, label, graphs, nodes, env in VARIANTS:
     kernels.cpu.cold_ffn_set_threads(torch.get_num_threads() - (key == "t-1"))
     kernels.cpu.pool_configure(*{"noyield": (2000, 2000), "sleep": (0, 0)}.get(key, (2000, 50)))
     os.environ.update(env)
-    runs0, busy0 = kernels.cpu.cold_ffn_stats()
+    before = kernels.cpu.cold_ffn_stats()
     dt = decode(graphs, nodes)
-    runs, busy = (a - b for a, b in zip(kernels.cpu.cold_ffn_stats(), (runs0, busy0)))
+    runs, busy, rows = (a - b for a, b in zip(kernels.cpu.cold_ffn_stats(), before))
     steps = n + 5  # the timed steps and the warm-up ones (cold_ffn_stats counts both)
     for k, v in saved.items():
         os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
-    cpu = f"; host nodes {busy / 1e6 / steps:6.1f} ms of it ({runs / steps:.0f} a token)" if runs else ""
+    cpu = ""
+    if runs:
+        rate = rows * neuron_bytes / (busy / 1e9) / 2**30 if busy else 0.0
+        cpu = (f"; host nodes {busy / 1e6 / steps:6.1f} ms of it ({runs / steps:.0f} a token, "
+               f"{rows / steps:.0f} cold rows: {rate:5.1f} GiB/s)")
     print(f"{label:26s} {dt * 1e3:7.1f} ms per token ({1 / dt:6.2f} tok/s){cpu}")
 if hybrid.TIMING:
     print("host time per token by part (events path):")
