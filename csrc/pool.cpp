@@ -6,9 +6,12 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <exception>
 #include <cstdlib>
 #include <memory>
 #include <mutex>
+#include <stdexcept>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -69,14 +72,22 @@ class SpinPool {
     if (sleepers_.load(std::memory_order_acquire) > 0) wake_.notify_all();
     task(0);
     while (remaining_.load(std::memory_order_acquire) > 0) HS_PAUSE();
+    std::exception_ptr error;
+    std::swap(error, error_);
     busy_.store(false, std::memory_order_release);
+    if (error) std::rethrow_exception(error);  // on the caller, once every thread is done
     return true;
   }
 
  private:
   void task(int id) {
     in_pool_task = true;
-    (*fn_)(id);
+    try {
+      (*fn_)(id);
+    } catch (...) {  // kept for the caller: an exception must not end a pool thread (std::terminate)
+      std::lock_guard<std::mutex> lock(error_mutex_);
+      if (!error_) error_ = std::current_exception();
+    }
     in_pool_task = false;
   }
 
@@ -117,6 +128,8 @@ class SpinPool {
   bool stop_ = false;
   std::mutex mutex_;
   std::condition_variable wake_;
+  std::mutex error_mutex_;
+  std::exception_ptr error_;
 };
 
 SpinPool& pool() {
@@ -142,6 +155,18 @@ void parallel_threads(int n, const std::function<void(int)>& fn) {
   at::parallel_for(0, n, 1, [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) fn(static_cast<int>(i));
   });
+}
+
+// For tests: inside a PoolScope(n), task tid adds 2^tid to a sum (a task run twice or not at all
+// shows), task `throw_at` throws; returns the sum.
+int64_t pool_selftest(int64_t n, int64_t throw_at) {
+  PoolScope scope(static_cast<int>(n));
+  std::atomic<int64_t> sum{0};
+  parallel_threads(static_cast<int>(n), [&](int tid) {
+    if (tid == throw_at) throw std::runtime_error("pool_selftest: task " + std::to_string(tid) + " failed");
+    sum += int64_t{1} << tid;
+  });
+  return sum.load();
 }
 
 PoolScope::PoolScope(int n) : previous_(scope_threads) { scope_threads = n < 1 ? 1 : n; }

@@ -310,6 +310,25 @@ def test_cold_ffn_task_pool(n_threads, monkeypatch):
         torch.set_num_threads(before)
 
 
+def test_spin_pool():
+    """csrc/pool.cpp directly: every task runs exactly once (each adds its own bit) for pool sizes that
+    grow and shrink, from this thread and another; an exception in a task (the caller's or a pool
+    thread's) reaches the caller once all tasks are done, and the pool works afterwards."""
+    import threading
+    pool = kernels.ops() and kernels.cpu
+    for n in (1, 3, 8, 2, 8):
+        assert pool.pool_selftest(n, -1) == 2**n - 1
+    for bad in (0, 5):
+        with pytest.raises(RuntimeError, match=f"task {bad} failed"):
+            pool.pool_selftest(6, bad)
+        assert pool.pool_selftest(6, -1) == 63
+    out = []
+    t = threading.Thread(target=lambda: out.extend(pool.pool_selftest(7, -1) for _ in range(200)))
+    t.start()
+    t.join()
+    assert out == [127] * 200
+
+
 def test_cold_ffn_task_errors():
     """Bad buffers, ids and weights are refused in one line when the task is made (in Python: a C++
     exception takes the GPU machine's process down, and the task runs where none can be raised)."""
