@@ -5,10 +5,10 @@
 // captured in a CUDA graph with the rest of a decode step.
 //
 // The task: compact the cold ids whose mask entry is set, run the fused sparse FFN over them
-// (sparse_ffn_cpu, at::parallel_for threads), write y (zeros when nothing cold is active).
-// Exceptions cannot leave a host node: the first message is kept for cold_ffn_error().
-// The task's threads: the `-t` count in force when it was made, from the spinning pool of csrc/pool.h
-// (HS_COLD_POOL=0: OpenMP, as before, for side-by-side measurements).
+// (sparse_ffn_cpu), write y (zeros when nothing cold is active). Its threads: the `-t` count in force
+// when the last task was made, from the spinning pool of csrc/pool.h (HS_COLD_POOL=0: OpenMP, for
+// side-by-side measurements). Exceptions cannot leave a host node: the first message is kept for
+// cold_ffn_error().
 #include <ATen/ATen.h>
 
 #include <atomic>

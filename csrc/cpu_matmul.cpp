@@ -580,80 +580,78 @@ bool sparse_ffn_fused_cpu(const at::Tensor& x, const at::Tensor& up, int64_t up_
   // thread of the process; a prompt's larger sums are allocated per call
   const size_t n_partial = static_cast<size_t>(n_threads) * T * D;
   thread_local std::vector<float> kept;
-  std::unique_ptr<float[]> once;
-  if (n_partial <= (size_t{1} << 22) && kept.size() < n_partial) kept.resize(n_partial);
-  if (n_partial > (size_t{1} << 22)) once.reset(new float[n_partial]);
-  float* const partial = once ? once.get() : kept.data();
+  const bool keep = n_partial <= (size_t{1} << 22);
+  if (keep && kept.size() < n_partial) kept.resize(n_partial);
+  std::unique_ptr<float[]> once(keep ? nullptr : new float[n_partial]);
+  float* const partial = keep ? kept.data() : once.get();
   parallel_threads(n_threads, [&](int tid) {
-    {
-      float* acc = partial + tid * T * D;
-      std::fill(acc, acc + T * D, 0.f);
-      const void* rows[AXPY_GROUP];
-      float sc[AXPY_GROUP];
-      int n_group = 0;
-      // neuron r's h from its row-dots (g unused without a gate)
-      const auto activation = [&](int64_t r, float u, float g) {
-        if (bp) u += bp[r];
-        return gated ? act_scalar(g, act) * (act_on_up ? act_scalar(u, act) : u) : act_scalar(u, act);
-      };
-      // one token: neuron r's down row queued for the grouped axpy
-      const auto queue_down = [&](int64_t r, float h) {
-        rows[n_group] = dp + r * drow;
-        if (pf) prefetch_bytes(reinterpret_cast<const char*>(rows[n_group]), drow, pf);
-        sc[n_group++] = h;
-        if (n_group == AXPY_GROUP) {
-          group(sc, rows, acc, D);
-          n_group = 0;
+    float* acc = partial + tid * T * D;
+    std::fill(acc, acc + T * D, 0.f);
+    const void* rows[AXPY_GROUP];
+    float sc[AXPY_GROUP];
+    int n_group = 0;
+    // neuron r's h from its row-dots (g unused without a gate)
+    const auto activation = [&](int64_t r, float u, float g) {
+      if (bp) u += bp[r];
+      return gated ? act_scalar(g, act) * (act_on_up ? act_scalar(u, act) : u) : act_scalar(u, act);
+    };
+    // one token: neuron r's down row queued for the grouped axpy
+    const auto queue_down = [&](int64_t r, float h) {
+      rows[n_group] = dp + r * drow;
+      if (pf) prefetch_bytes(reinterpret_cast<const char*>(rows[n_group]), drow, pf);
+      sc[n_group++] = h;
+      if (n_group == AXPY_GROUP) {
+        group(sc, rows, acc, D);
+        n_group = 0;
+      }
+    };
+    const int64_t r0 = M * tid / n_threads, r1 = M * (tid + 1) / n_threads;
+    int64_t k = r0;
+    if (side_by_side > 1) {  // one token: `side_by_side` neurons' rows streamed together
+      const int per = gated ? 2 : 1;
+      const DotRows dots = up_type == F16 ? pick_dot_rows(side_by_side * per) : nullptr;
+      const DotRowsQ8 dots_q = up_type == F16 ? nullptr : pick_dot_rows_q8(up_type, side_by_side * per);
+      const void* rws[8];
+      float val[8];
+      for (; k + side_by_side <= r1; k += side_by_side) {
+        for (int j = 0; j < side_by_side; ++j) {
+          const int64_t r = ip[k + j];
+          rws[j * per] = upp + r * rb;
+          if (gated) rws[j * per + 1] = gp + r * rb;
         }
-      };
-      const int64_t r0 = M * tid / n_threads, r1 = M * (tid + 1) / n_threads;
-      int64_t k = r0;
-      if (side_by_side > 1) {  // one token: `side_by_side` neurons' rows streamed together
-        const int per = gated ? 2 : 1;
-        const DotRows dots = up_type == F16 ? pick_dot_rows(side_by_side * per) : nullptr;
-        const DotRowsQ8 dots_q = up_type == F16 ? nullptr : pick_dot_rows_q8(up_type, side_by_side * per);
-        const void* rws[8];
-        float val[8];
-        for (; k + side_by_side <= r1; k += side_by_side) {
-          for (int j = 0; j < side_by_side; ++j) {
-            const int64_t r = ip[k + j];
-            rws[j * per] = upp + r * rb;
-            if (gated) rws[j * per + 1] = gp + r * rb;
-          }
-          if (dots) dots(rws, xp, K, val);
-          else dots_q(rws, act32.data(), nb, val);
-          for (int j = 0; j < side_by_side; ++j) {
-            const int64_t r = ip[k + j];
-            const float h = activation(r, val[j * per], gated ? val[j * per + 1] : 0.f);
-            hp[k + j] = h;
-            if (h != 0.f) queue_down(r, h);
-          }
+        if (dots) dots(rws, xp, K, val);
+        else dots_q(rws, act32.data(), nb, val);
+        for (int j = 0; j < side_by_side; ++j) {
+          const int64_t r = ip[k + j];
+          const float h = activation(r, val[j * per], gated ? val[j * per + 1] : 0.f);
+          hp[k + j] = h;
+          if (h != 0.f) queue_down(r, h);
         }
       }
-      for (; k < r1; ++k) {
-        const int64_t r = ip[k];
-        const uint8_t* ur = upp + r * rb;
-        const uint8_t* gr = gated ? gp + r * rb : nullptr;
-        if (pf && k + 1 < r1) {  // HS_PREFETCH: the next neuron's rows, where no hardware prefetcher looks
-          prefetch_bytes(reinterpret_cast<const char*>(upp + ip[k + 1] * rb), rb, pf);
-          if (gated) prefetch_bytes(reinterpret_cast<const char*>(gp + ip[k + 1] * rb), rb, pf);
-        }
-        // each listed row is read once; only the tokens that need the neuron compute with it
-        for (int64_t t = 0; t < T; ++t) {
-          if (mp && !mp[t * M + k]) continue;
-          const float* xt = xp + t * K;
-          const ActQ8* at = dq ? act32.data() + t * nb : nullptr;
-          const float u = df ? df(ur, xt, K) : dq(ur, at, nb);
-          const float g = gated ? (df ? df(gr, xt, K) : dq(gr, at, nb)) : 0.f;
-          const float h = activation(r, u, g);
-          hp[t * M + k] = h;
-          if (h == 0.f) continue;  // a ReLU neuron that did not fire costs no down row
-          if (T > 1) direct(h, dp + r * drow, acc + t * D, D);  // several tokens: straight into that token's sum
-          else queue_down(r, h);
-        }
-      }
-      for (int j = 0; j < n_group; ++j) direct(sc[j], rows[j], acc, D);
     }
+    for (; k < r1; ++k) {
+      const int64_t r = ip[k];
+      const uint8_t* ur = upp + r * rb;
+      const uint8_t* gr = gated ? gp + r * rb : nullptr;
+      if (pf && k + 1 < r1) {  // HS_PREFETCH: the next neuron's rows, where no hardware prefetcher looks
+        prefetch_bytes(reinterpret_cast<const char*>(upp + ip[k + 1] * rb), rb, pf);
+        if (gated) prefetch_bytes(reinterpret_cast<const char*>(gp + ip[k + 1] * rb), rb, pf);
+      }
+      // each listed row is read once; only the tokens that need the neuron compute with it
+      for (int64_t t = 0; t < T; ++t) {
+        if (mp && !mp[t * M + k]) continue;
+        const float* xt = xp + t * K;
+        const ActQ8* at = dq ? act32.data() + t * nb : nullptr;
+        const float u = df ? df(ur, xt, K) : dq(ur, at, nb);
+        const float g = gated ? (df ? df(gr, xt, K) : dq(gr, at, nb)) : 0.f;
+        const float h = activation(r, u, g);
+        hp[t * M + k] = h;
+        if (h == 0.f) continue;  // a ReLU neuron that did not fire costs no down row
+        if (T > 1) direct(h, dp + r * drow, acc + t * D, D);  // several tokens: straight into that token's sum
+        else queue_down(r, h);
+      }
+    }
+    for (int j = 0; j < n_group; ++j) direct(sc[j], rows[j], acc, D);
   });
   float* yp = y_out.data_ptr<float>();
   // the threads' sums added slice by slice (16 x 5120 floats for a 13B layer: ~30 us on one thread)
