@@ -8,6 +8,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <memory>
@@ -152,6 +153,16 @@ int ffn_rows() {
   const char* v = std::getenv("HS_FFN_ROWS");
   const int n = v ? std::atoi(v) : 4;
   return n == 2 || n == 4 ? n : 1;
+}
+
+// Neurons a thread of the fused FFN claims at a time (HS_FFN_CHUNK; 0: one fixed share per thread).
+// Claimed shares keep every thread busy to the end of a layer when one of them starts late or is
+// preempted (the driver's callback thread and Python share the cores with the pool); a fixed share
+// made the whole layer wait for the slowest thread.
+int ffn_chunk() {
+  const char* v = std::getenv("HS_FFN_CHUNK");
+  const int n = v ? std::atoi(v) : 16;
+  return n > 0 ? n : 0;
 }
 
 using DotRows = void (*)(const void* const*, const float*, int64_t, float*);
@@ -584,6 +595,9 @@ bool sparse_ffn_fused_cpu(const at::Tensor& x, const at::Tensor& up, int64_t up_
   if (keep && kept.size() < n_partial) kept.resize(n_partial);
   std::unique_ptr<float[]> once(keep ? nullptr : new float[n_partial]);
   float* const partial = keep ? kept.data() : once.get();
+  // shares claimed a chunk at a time (a multiple of the side-by-side rows), or fixed (HS_FFN_CHUNK=0)
+  const int64_t chunk = ffn_chunk() == 0 ? 0 : (ffn_chunk() + side_by_side - 1) / side_by_side * side_by_side;
+  std::atomic<int64_t> next{0};
   parallel_threads(n_threads, [&](int tid) {
     float* acc = partial + tid * T * D;
     std::fill(acc, acc + T * D, 0.f);
@@ -605,51 +619,59 @@ bool sparse_ffn_fused_cpu(const at::Tensor& x, const at::Tensor& up, int64_t up_
         n_group = 0;
       }
     };
-    const int64_t r0 = M * tid / n_threads, r1 = M * (tid + 1) / n_threads;
-    int64_t k = r0;
-    if (side_by_side > 1) {  // one token: `side_by_side` neurons' rows streamed together
-      const int per = gated ? 2 : 1;
-      const DotRows dots = up_type == F16 ? pick_dot_rows(side_by_side * per) : nullptr;
-      const DotRowsQ8 dots_q = up_type == F16 ? nullptr : pick_dot_rows_q8(up_type, side_by_side * per);
-      const void* rws[8];
-      float val[8];
-      for (; k + side_by_side <= r1; k += side_by_side) {
-        for (int j = 0; j < side_by_side; ++j) {
-          const int64_t r = ip[k + j];
-          rws[j * per] = upp + r * rb;
-          if (gated) rws[j * per + 1] = gp + r * rb;
+    // the neurons [r0, r1) of one share: fused row-dots, activation, down rows queued
+    const auto share = [&](const int64_t r0, const int64_t r1) {
+      int64_t k = r0;
+      if (side_by_side > 1) {  // one token: `side_by_side` neurons' rows streamed together
+        const int per = gated ? 2 : 1;
+        const DotRows dots = up_type == F16 ? pick_dot_rows(side_by_side * per) : nullptr;
+        const DotRowsQ8 dots_q = up_type == F16 ? nullptr : pick_dot_rows_q8(up_type, side_by_side * per);
+        const void* rws[8];
+        float val[8];
+        for (; k + side_by_side <= r1; k += side_by_side) {
+          for (int j = 0; j < side_by_side; ++j) {
+            const int64_t r = ip[k + j];
+            rws[j * per] = upp + r * rb;
+            if (gated) rws[j * per + 1] = gp + r * rb;
+          }
+          if (dots) dots(rws, xp, K, val);
+          else dots_q(rws, act32.data(), nb, val);
+          for (int j = 0; j < side_by_side; ++j) {
+            const int64_t r = ip[k + j];
+            const float h = activation(r, val[j * per], gated ? val[j * per + 1] : 0.f);
+            hp[k + j] = h;
+            if (h != 0.f) queue_down(r, h);
+          }
         }
-        if (dots) dots(rws, xp, K, val);
-        else dots_q(rws, act32.data(), nb, val);
-        for (int j = 0; j < side_by_side; ++j) {
-          const int64_t r = ip[k + j];
-          const float h = activation(r, val[j * per], gated ? val[j * per + 1] : 0.f);
-          hp[k + j] = h;
-          if (h != 0.f) queue_down(r, h);
+      }
+      for (; k < r1; ++k) {
+        const int64_t r = ip[k];
+        const uint8_t* ur = upp + r * rb;
+        const uint8_t* gr = gated ? gp + r * rb : nullptr;
+        if (pf && k + 1 < r1) {  // HS_PREFETCH: the next neuron's rows, where no hardware prefetcher looks
+          prefetch_bytes(reinterpret_cast<const char*>(upp + ip[k + 1] * rb), rb, pf);
+          if (gated) prefetch_bytes(reinterpret_cast<const char*>(gp + ip[k + 1] * rb), rb, pf);
+        }
+        // each listed row is read once; only the tokens that need the neuron compute with it
+        for (int64_t t = 0; t < T; ++t) {
+          if (mp && !mp[t * M + k]) continue;
+          const float* xt = xp + t * K;
+          const ActQ8* at = dq ? act32.data() + t * nb : nullptr;
+          const float u = df ? df(ur, xt, K) : dq(ur, at, nb);
+          const float g = gated ? (df ? df(gr, xt, K) : dq(gr, at, nb)) : 0.f;
+          const float h = activation(r, u, g);
+          hp[t * M + k] = h;
+          if (h == 0.f) continue;  // a ReLU neuron that did not fire costs no down row
+          if (T > 1) direct(h, dp + r * drow, acc + t * D, D);  // several tokens: straight into that token's sum
+          else queue_down(r, h);
         }
       }
-    }
-    for (; k < r1; ++k) {
-      const int64_t r = ip[k];
-      const uint8_t* ur = upp + r * rb;
-      const uint8_t* gr = gated ? gp + r * rb : nullptr;
-      if (pf && k + 1 < r1) {  // HS_PREFETCH: the next neuron's rows, where no hardware prefetcher looks
-        prefetch_bytes(reinterpret_cast<const char*>(upp + ip[k + 1] * rb), rb, pf);
-        if (gated) prefetch_bytes(reinterpret_cast<const char*>(gp + ip[k + 1] * rb), rb, pf);
-      }
-      // each listed row is read once; only the tokens that need the neuron compute with it
-      for (int64_t t = 0; t < T; ++t) {
-        if (mp && !mp[t * M + k]) continue;
-        const float* xt = xp + t * K;
-        const ActQ8* at = dq ? act32.data() + t * nb : nullptr;
-        const float u = df ? df(ur, xt, K) : dq(ur, at, nb);
-        const float g = gated ? (df ? df(gr, xt, K) : dq(gr, at, nb)) : 0.f;
-        const float h = activation(r, u, g);
-        hp[t * M + k] = h;
-        if (h == 0.f) continue;  // a ReLU neuron that did not fire costs no down row
-        if (T > 1) direct(h, dp + r * drow, acc + t * D, D);  // several tokens: straight into that token's sum
-        else queue_down(r, h);
-      }
+    };
+    if (chunk == 0) {
+      share(M * tid / n_threads, M * (tid + 1) / n_threads);
+    } else {
+      for (int64_t r0; (r0 = next.fetch_add(chunk, std::memory_order_relaxed)) < M;)
+        share(r0, std::min(M, r0 + chunk));
     }
     for (int j = 0; j < n_group; ++j) direct(sc[j], rows[j], acc, D);
   });

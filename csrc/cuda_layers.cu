@@ -3,7 +3,8 @@
 //   rope_      rotary embedding in place (NEOX halves or NORM adjacent pairs), strided x
 //   kv_store   k/v of the new tokens into the cache at their positions (float16 or float32 cache)
 //   attention  causal (+ sliding window) softmax attention of a few tokens over the cache, grouped-
-//              query heads; one block per (token, query head), scores in shared memory
+//              query heads; one block per (token, query head, chunk of 32-64 cache positions), then
+//              one that rescales and adds the chunks' sums (split-KV)
 //   rms_norm   one block per row
 //   gated_act  act(gate) * up, or act(gate) * act(up)
 // Positions are read on the device, so CUDA graphs replay these for any position.
@@ -51,109 +52,136 @@ __global__ void kv_store_kernel(const float* k, const float* v, int64_t skt, int
   from_f(v[t * svt + h * svh + d], vc + slot);
 }
 
-constexpr int ATT_THREADS = 256;
 constexpr int ATT_MAX_D = 256;
-constexpr int ATT_MAX_KV = 8192;  // scores of one (token, head) in shared memory: 32 KiB
+constexpr int ATT_MAX_KV = 8192;  // the graph buckets' largest cache length (runtime/layers.py)
+constexpr int ATT_WARPS = 4;      // warps per attention block
+constexpr int ATT_MAX_CHUNK = 64; // cache positions per block (split-KV, "flash decoding")
+constexpr int ATT_UNROLL = 4;     // cache rows a warp loads before it reduces their dots
 
-// q . k for one cache row: 16-byte loads, several in flight (a plain loop over head_dim was one
-// dependent load at a time: 28 us per layer for a 7B decode step).
-__device__ __forceinline__ float row_dot(const __half* kr, const float* qs, int D) {
-  float acc[4] = {0.f, 0.f, 0.f, 0.f};
-  if (D % 8 == 0) {
-    const uint4* k4 = reinterpret_cast<const uint4*>(kr);
-#pragma unroll 8
-    for (int c = 0; c < D / 8; ++c) {
-      const uint4 raw = __ldg(k4 + c);
-      const __half2* h = reinterpret_cast<const __half2*>(&raw);
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const float2 f = __half22float2(h[j]);
-        acc[j] += f.x * qs[c * 8 + 2 * j] + f.y * qs[c * 8 + 2 * j + 1];
-      }
+// this lane's share of q . k for one cache row: lanes over head_dim, so a warp reads a row with
+// consecutive loads
+__device__ __forceinline__ float lane_dot(const __half* kr, const float* qs, int D, int lane) {
+  float acc = 0.f;
+  if ((D & 1) == 0) {
+    const __half2* k2 = reinterpret_cast<const __half2*>(kr);
+    for (int d = lane; d < D / 2; d += 32) {
+      const float2 f = __half22float2(k2[d]);
+      acc += f.x * qs[2 * d] + f.y * qs[2 * d + 1];
     }
   } else {
-    for (int d = 0; d < D; ++d) acc[d & 3] += qs[d] * __half2float(kr[d]);
+    for (int d = lane; d < D; d += 32) acc += __half2float(kr[d]) * qs[d];
   }
-  return (acc[0] + acc[1]) + (acc[2] + acc[3]);
+  return acc;
 }
 
-__device__ __forceinline__ float row_dot(const float* kr, const float* qs, int D) {
-  float acc[4] = {0.f, 0.f, 0.f, 0.f};
-  if (D % 4 == 0) {
-    const float4* k4 = reinterpret_cast<const float4*>(kr);
-#pragma unroll 8
-    for (int c = 0; c < D / 4; ++c) {
-      const float4 v = __ldg(k4 + c);
-      acc[0] += v.x * qs[4 * c];
-      acc[1] += v.y * qs[4 * c + 1];
-      acc[2] += v.z * qs[4 * c + 2];
-      acc[3] += v.w * qs[4 * c + 3];
+__device__ __forceinline__ float lane_dot(const float* kr, const float* qs, int D, int lane) {
+  float acc = 0.f;
+  if ((D & 1) == 0) {
+    const float2* k2 = reinterpret_cast<const float2*>(kr);
+    for (int d = lane; d < D / 2; d += 32) {
+      const float2 f = k2[d];
+      acc += f.x * qs[2 * d] + f.y * qs[2 * d + 1];
     }
   } else {
-    for (int d = 0; d < D; ++d) acc[d & 3] += qs[d] * kr[d];
+    for (int d = lane; d < D; d += 32) acc += kr[d] * qs[d];
   }
-  return (acc[0] + acc[1]) + (acc[2] + acc[3]);
+  return acc;
 }
 
-__device__ float block_reduce(float v, bool is_max, float* red) {
-  for (int off = 16; off > 0; off /= 2) {
-    const float o = __shfl_xor_sync(0xffffffff, v, off);
-    v = is_max ? fmaxf(v, o) : v + o;
-  }
-  __syncthreads();  // red may still be read by a previous reduction
-  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = v;
-  __syncthreads();
-  float r = red[0];
-  for (int w = 1; w < ATT_THREADS / 32; ++w) r = is_max ? fmaxf(r, red[w]) : r + red[w];
-  return r;
-}
-
-// One block per (token, query head): every thread scores its own cache positions (one row of K each,
-// q from shared memory), a block-wide softmax, then the threads split head_dim x positions for the
-// weighted sum of V rows (coalesced across threads).
+// One block per (token, query head, chunk of cache positions): the chunk's scores (a warp per cache
+// row), their softmax with the chunk's own maximum, the weighted sum of its V rows (threads over
+// head_dim). With one chunk the block writes the output; with several it writes (sum, max, total)
+// for attention_combine_kernel. One block per head left most of the GPU idle: ~24 us per layer of a
+// 7B decode step at a 256-position cache.
 template <typename C>
-__global__ void __launch_bounds__(ATT_THREADS)
+__global__ void __launch_bounds__(32 * ATT_WARPS)
 attention_kernel(const float* q, int64_t sqt, int64_t sqh, const C* kc, const C* vc, const int64_t* pos,
-                 int Hq, int group, int64_t n_ctx, int D, int64_t kv_len, int64_t window, float scale,
-                 float* out) {
-  extern __shared__ float scores[];
-  __shared__ float qs[ATT_MAX_D], red[ATT_THREADS / 32], part[ATT_THREADS];
-  const int t = blockIdx.x / Hq, h = blockIdx.x % Hq, hk = h / group, tid = threadIdx.x;
-  for (int d = tid; d < D; d += ATT_THREADS) qs[d] = q[t * sqt + h * sqh + d] * scale;
+                 int Hq, int group, int64_t n_ctx, int D, int64_t kv_len, int64_t window, float scale, int chunk,
+                 int n_chunks, float* out, float* part_o, float* part_ml) {
+  __shared__ float qs[ATT_MAX_D], scores[ATT_MAX_CHUNK];
+  const int th = blockIdx.x, s = blockIdx.y, t = th / Hq, h = th % Hq, hk = h / group;
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int64_t p = pos[t];
   const int64_t last = min(p, kv_len - 1);
   const int64_t first = window > 0 && p - window + 1 > 0 ? p - window + 1 : 0;
-  const int n = last >= first ? static_cast<int>(last - first + 1) : 0;
-  const C* kbase = kc + (static_cast<int64_t>(hk) * n_ctx + first) * D;
-  const C* vbase = vc + (static_cast<int64_t>(hk) * n_ctx + first) * D;
-  __syncthreads();
-  float mx = -INFINITY;
-  for (int i = tid; i < n; i += ATT_THREADS) {
-    const C* kr = kbase + static_cast<int64_t>(i) * D;
-    scores[i] = row_dot(kr, qs, D);
-    mx = fmaxf(mx, scores[i]);
+  const int64_t c0 = max(first, static_cast<int64_t>(s) * chunk);
+  const int64_t c1 = min(last, static_cast<int64_t>(s) * chunk + chunk - 1);
+  const int n = c1 >= c0 ? static_cast<int>(c1 - c0 + 1) : 0;
+  if (n == 0) {  // a chunk outside the causal (or sliding) window
+    if (n_chunks == 1) {
+      for (int d = tid; d < D; d += blockDim.x) out[static_cast<int64_t>(th) * D + d] = 0.f;
+    } else {
+      for (int d = tid; d < D; d += blockDim.x) part_o[(static_cast<int64_t>(th) * n_chunks + s) * D + d] = 0.f;
+      if (tid == 0) {
+        part_ml[(static_cast<int64_t>(th) * n_chunks + s) * 2] = -INFINITY;
+        part_ml[(static_cast<int64_t>(th) * n_chunks + s) * 2 + 1] = 0.f;
+      }
+    }
+    return;
   }
-  mx = block_reduce(mx, true, red);
+  for (int d = tid; d < D; d += blockDim.x) qs[d] = q[t * sqt + h * sqh + d] * scale;
+  const C* kbase = kc + (static_cast<int64_t>(hk) * n_ctx + c0) * D;
+  const C* vbase = vc + (static_cast<int64_t>(hk) * n_ctx + c0) * D;
+  __syncthreads();
+  for (int i0 = warp; i0 < n; i0 += ATT_WARPS * ATT_UNROLL) {
+    float part[ATT_UNROLL];
+#pragma unroll
+    for (int u = 0; u < ATT_UNROLL; ++u) {
+      const int i = i0 + u * ATT_WARPS;
+      part[u] = i < n ? lane_dot(kbase + static_cast<int64_t>(i) * D, qs, D, lane) : 0.f;
+    }
+#pragma unroll
+    for (int u = 0; u < ATT_UNROLL; ++u) {
+      const float v = warp_sum(part[u]);
+      const int i = i0 + u * ATT_WARPS;
+      if (lane == 0 && i < n) scores[i] = v;
+    }
+  }
+  __syncthreads();
+  float mx = -INFINITY;  // every warp finds the chunk's maximum and total itself (n <= 64)
+  for (int i = lane; i < n; i += 32) mx = fmaxf(mx, scores[i]);
+#pragma unroll
+  for (int off = 16; off > 0; off /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, off));
+  __syncthreads();
+  for (int i = tid; i < n; i += blockDim.x) scores[i] = __expf(scores[i] - mx);
+  __syncthreads();
   float sum = 0.f;
-  for (int i = tid; i < n; i += ATT_THREADS) {
-    const float e = __expf(scores[i] - mx);
-    scores[i] = e;
-    sum += e;
+  for (int i = lane; i < n; i += 32) sum += scores[i];
+  sum = warp_sum(sum);
+  for (int d = tid; d < D; d += blockDim.x) {
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    int i = 0;
+    for (; i + 4 <= n; i += 4)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) acc[j] += scores[i + j] * to_f(vbase[static_cast<int64_t>(i + j) * D + d]);
+    for (; i < n; ++i) acc[0] += scores[i] * to_f(vbase[static_cast<int64_t>(i) * D + d]);
+    const float o = (acc[0] + acc[1]) + (acc[2] + acc[3]);
+    if (n_chunks == 1) out[static_cast<int64_t>(th) * D + d] = o / sum;
+    else part_o[(static_cast<int64_t>(th) * n_chunks + s) * D + d] = o;
   }
-  sum = block_reduce(sum, false, red);  // its barriers also publish scores[]
-  const int parts = ATT_THREADS / D;    // threads per output feature, each over every parts-th position
-  const int d = tid % D, j = tid / D;
-  float acc = 0.f;
-  if (j < parts) {
-#pragma unroll 8
-    for (int i = j; i < n; i += parts) acc += scores[i] * to_f(vbase[static_cast<int64_t>(i) * D + d]);
+  if (n_chunks > 1 && tid == 0) {
+    part_ml[(static_cast<int64_t>(th) * n_chunks + s) * 2] = mx;
+    part_ml[(static_cast<int64_t>(th) * n_chunks + s) * 2 + 1] = sum;
   }
-  part[tid] = acc;
-  __syncthreads();
-  if (tid < D) {
-    float o = 0.f;
-    for (int k = 0; k < parts; ++k) o += part[k * D + tid];
-    out[(static_cast<int64_t>(t) * Hq + h) * D + tid] = n ? o / sum : 0.f;
+}
+
+// The chunks of one (token, head) rescaled to their common maximum and added: a block per (token,
+// head), threads over head_dim.
+__global__ void attention_combine_kernel(const float* part_o, const float* part_ml, int n_chunks, int D,
+                                         float* out) {
+  const int64_t th = blockIdx.x;
+  const float* ml = part_ml + th * n_chunks * 2;
+  float mx = -INFINITY;
+  for (int s = 0; s < n_chunks; ++s) mx = fmaxf(mx, ml[2 * s]);
+  for (int d = threadIdx.x; d < D; d += blockDim.x) {
+    float o = 0.f, total = 0.f;
+    for (int s = 0; s < n_chunks; ++s) {
+      if (ml[2 * s + 1] == 0.f) continue;  // an empty chunk
+      const float w = __expf(ml[2 * s] - mx);
+      total += w * ml[2 * s + 1];
+      o += w * part_o[(th * n_chunks + s) * D + d];
+    }
+    out[th * D + d] = total > 0.f ? o / total : 0.f;
   }
 }
 
@@ -220,19 +248,34 @@ void launch_kv_store(const float* k, const float* v, int64_t skt, int64_t skh, i
         k, v, skt, skh, svt, svh, static_cast<float*>(kc), static_cast<float*>(vc), pos, Hkv, n_ctx, D, total);
 }
 
+// How many cache positions each attention block takes: 64, or 32 when 64 would leave fewer than two
+// blocks per SM of an H100/H200.
+int attention_chunk(int64_t T, int Hq, int64_t kv_len) {
+  const int64_t blocks64 = T * Hq * ((kv_len + 63) / 64);
+  return blocks64 >= 264 ? 64 : 32;
+}
+
+int attention_chunks(int64_t T, int Hq, int64_t kv_len) {
+  const int chunk = attention_chunk(T, Hq, kv_len);
+  return static_cast<int>((kv_len + chunk - 1) / chunk);
+}
+
 void launch_attention(const float* q, int64_t sqt, int64_t sqh, const void* kc, const void* vc, bool half_cache,
                       const int64_t* pos, int64_t T, int Hq, int Hkv, int64_t n_ctx, int D, int64_t kv_len,
-                      int64_t window, float scale, float* out, cudaStream_t stream) {
-  const dim3 grid(static_cast<unsigned>(T * Hq)), block(ATT_THREADS);
-  const size_t smem = static_cast<size_t>(kv_len) * sizeof(float);
+                      int64_t window, float scale, float* out, float* part_o, float* part_ml, cudaStream_t stream) {
+  const int chunk = attention_chunk(T, Hq, kv_len), n_chunks = attention_chunks(T, Hq, kv_len);
+  const dim3 grid(static_cast<unsigned>(T * Hq), static_cast<unsigned>(n_chunks)), block(32 * ATT_WARPS);
   if (half_cache)
-    attention_kernel<__half><<<grid, block, smem, stream>>>(q, sqt, sqh, static_cast<const __half*>(kc),
-                                                         static_cast<const __half*>(vc), pos, Hq, Hq / Hkv, n_ctx, D,
-                                                         kv_len, window, scale, out);
+    attention_kernel<__half><<<grid, block, 0, stream>>>(q, sqt, sqh, static_cast<const __half*>(kc),
+                                                      static_cast<const __half*>(vc), pos, Hq, Hq / Hkv, n_ctx, D,
+                                                      kv_len, window, scale, chunk, n_chunks, out, part_o, part_ml);
   else
-    attention_kernel<float><<<grid, block, smem, stream>>>(q, sqt, sqh, static_cast<const float*>(kc),
-                                                        static_cast<const float*>(vc), pos, Hq, Hq / Hkv, n_ctx, D,
-                                                        kv_len, window, scale, out);
+    attention_kernel<float><<<grid, block, 0, stream>>>(q, sqt, sqh, static_cast<const float*>(kc),
+                                                     static_cast<const float*>(vc), pos, Hq, Hq / Hkv, n_ctx, D,
+                                                     kv_len, window, scale, chunk, n_chunks, out, part_o, part_ml);
+  if (n_chunks > 1)
+    attention_combine_kernel<<<static_cast<unsigned>(T * Hq), D <= 128 ? 128 : 256, 0, stream>>>(part_o, part_ml,
+                                                                                                 n_chunks, D, out);
 }
 
 int attention_max_head_dim() { return ATT_MAX_D; }

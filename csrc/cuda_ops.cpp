@@ -22,7 +22,8 @@ void launch_kv_store(const float* k, const float* v, int64_t skt, int64_t skh, i
                      int D, cudaStream_t stream);
 void launch_attention(const float* q, int64_t sqt, int64_t sqh, const void* kc, const void* vc, bool half_cache,
                       const int64_t* pos, int64_t T, int Hq, int Hkv, int64_t n_ctx, int D, int64_t kv_len,
-                      int64_t window, float scale, float* out, cudaStream_t stream);
+                      int64_t window, float scale, float* out, float* part_o, float* part_ml, cudaStream_t stream);
+int attention_chunks(int64_t T, int Hq, int64_t kv_len);
 int attention_max_head_dim();
 int attention_max_kv();
 void launch_rms_norm(const float* x, const float* w, float* y, int64_t rows, int64_t D, float eps,
@@ -150,9 +151,15 @@ at::Tensor attention_cuda(const at::Tensor& q, const at::Tensor& k, const at::Te
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   auto out = at::empty({T, Hq * D}, q.options());
   if (T == 0) return out;
+  // the chunks' partial sums (split-KV); none when one chunk covers the cache
+  const int n_chunks = attention_chunks(T, static_cast<int>(Hq), kv_len);
+  auto part = at::empty({n_chunks > 1 ? T * Hq * n_chunks * (D + 2) : 0}, q.options());
+  float* part_o = n_chunks > 1 ? part.data_ptr<float>() : nullptr;
+  float* part_ml = n_chunks > 1 ? part_o + T * Hq * n_chunks * D : nullptr;
   launch_attention(q.data_ptr<float>(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(), half_cache,
                    positions.data_ptr<int64_t>(), T, static_cast<int>(Hq), static_cast<int>(Hkv), n_ctx,
-                   static_cast<int>(D), kv_len, window, static_cast<float>(scale), out.data_ptr<float>(), stream);
+                   static_cast<int>(D), kv_len, window, static_cast<float>(scale), out.data_ptr<float>(), part_o,
+                   part_ml, stream);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;
 }

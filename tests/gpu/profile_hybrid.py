@@ -4,12 +4,13 @@
   - events: the event-synchronised path (HS_HOST_NODES=0), with host time per part (HS_HYBRID_TIMING),
   - graphs with the CPU FFN unfused (HS_FUSED_FFN=0: row-dots, activation and axpy as three passes),
   - skip: graphs with the host nodes doing no work (HS_COLD_SKIP=1: the GPU's part and the hand-overs),
+  - static: graphs with the CPU FFN's threads on fixed shares of the neurons (HS_FFN_CHUNK=0),
   - t-1: graphs with the host nodes on one thread less than HS_THREADS,
   - noyield / sleep: the pool's idle threads spin without yielding / sleep at once,
   - omp / spin / omp-spin: graphs with the host nodes' threads from OpenMP (HS_COLD_POOL=0) instead of
     the spinning pool, and/or this thread spinning while a step runs (HS_GRAPH_WAIT=spin),
 and torch's profile of two eager steps. HS_PROFILE_MODES=graphs (a comma list of graphs, unfused, eager,
-events, omp, spin, omp-spin, skip, t-1, noyield, sleep) runs only those and skips torch's profile; HS_THREADS sets the thread count (default 16).
+events, omp, spin, omp-spin, skip, static, t-1, noyield, sleep) runs only those and skips torch's profile; HS_THREADS sets the thread count (default 16).
   HS_HYBRID_TIMING=1 python tests/gpu/profile_hybrid.py MODEL BUDGET_GIB [MODE] [N]"""
 
 import os
@@ -61,6 +62,7 @@ VARIANTS = (("graphs", "graphs + host nodes", True, True, {}),
             ("spin", "the same, spinning wait", True, True, {"HS_GRAPH_WAIT": "spin"}),
             ("omp-spin", "OpenMP + spinning wait", True, True, {"HS_COLD_POOL": "0", "HS_GRAPH_WAIT": "spin"}),
             ("skip", "the same, no CPU work", True, True, {"HS_COLD_SKIP": "1"}),
+            ("static", "the same, fixed shares", True, True, {"HS_FFN_CHUNK": "0"}),
             ("t-1", "the same, one thread less", True, True, {}),
             ("noyield", "the same, pool never yields", True, True, {}),
             ("sleep", "the same, pool sleeps at once", True, True, {}),
@@ -70,7 +72,8 @@ VARIANTS = (("graphs", "graphs + host nodes", True, True, {}),
 for key, label, graphs, nodes, env in VARIANTS:
     if key not in modes:
         continue
-    saved = {k: os.environ.get(k) for k in ("HS_COLD_POOL", "HS_GRAPH_WAIT", "HS_FUSED_FFN", "HS_COLD_SKIP")}
+    saved = {k: os.environ.get(k) for k in ("HS_COLD_POOL", "HS_GRAPH_WAIT", "HS_FUSED_FFN", "HS_COLD_SKIP",
+                                      "HS_FFN_CHUNK")}
     kernels.cpu.cold_ffn_set_threads(torch.get_num_threads() - (key == "t-1"))
     kernels.cpu.pool_configure(*{"noyield": (2000, 2000), "sleep": (0, 0)}.get(key, (2000, 50)))
     os.environ.update(env)

@@ -66,6 +66,26 @@ def test_attention(cache_dtype, tokens, window, n_q, n_kv, D):
     torch.testing.assert_close(b.v, a.v)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("D,window", [(64, None), (7, None), (96, 5)])
+def test_attention_one_chunk(cache_dtype, D, window):
+    """A cache short enough for one block per head (no split-KV combine step), an odd head_dim (the
+    lanes' scalar path) and a window inside the chunk."""
+    n_q, n_kv, past, tokens, kv_len = 4, 2, 20, 2, 24
+    a, b = KVCache(n_kv, D, kv_len, "cuda", cache_dtype), KVCache(n_kv, D, kv_len, "cuda", cache_dtype)
+    for c in (a, b):
+        torch.manual_seed(1)
+        c.k[:, :past] = torch.randn(n_kv, past, D, device="cuda").to(cache_dtype)
+        c.v[:, :past] = torch.randn(n_kv, past, D, device="cuda").to(cache_dtype)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    q, k, v = (torch.randn(tokens, h, D, device="cuda", generator=g) for h in (n_q, n_kv, n_kv))
+    positions = torch.arange(past, past + tokens, device="cuda")
+    ref = attend_reference(q, k, v, a, Step(positions, kv_len), window, D ** -0.5)
+    out = kernels.ops().attention(q, k, v, b.k, b.v, positions, kv_len, window or 0, D ** -0.5)
+    tol = 2e-3 if cache_dtype == torch.float16 else 1e-5
+    torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
+
+
 @pytest.mark.parametrize("D", [640, 4096, 5120, 100])
 def test_rms_norm(D):
     x, w = torch.randn(3, D, device="cuda"), torch.randn(D, device="cuda")
