@@ -10,7 +10,9 @@
   - omp / spin / omp-spin: graphs with the host nodes' threads from OpenMP (HS_COLD_POOL=0) instead of
     the spinning pool, and/or this thread spinning while a step runs (HS_GRAPH_WAIT=spin),
 and torch's profile of two eager steps. HS_PROFILE_MODES=graphs (a comma list of graphs, unfused, eager,
-events, omp, spin, omp-spin, skip, static, t-1, noyield, sleep) runs only those and skips torch's profile; HS_THREADS sets the thread count (default 16).
+events, omp, spin, omp-spin, skip, static, t-1, noyield, sleep) runs only those and skips torch's profile
+(unless HS_PROFILE_TORCH=1; HS_PROFILE_ROWS rows of it, by device time on a GPU); HS_THREADS sets the
+thread count (default 16).
   HS_HYBRID_TIMING=1 python tests/gpu/profile_hybrid.py MODEL BUDGET_GIB [MODE] [N]"""
 
 import os
@@ -93,7 +95,7 @@ if hybrid.TIMING:
     print("host time per token by part (events path):")
     for k, v in sorted(hybrid.TIMING.items(), key=lambda kv: -kv[1]):
         print(f"  {k:14s} {v / n * 1e3:8.2f} ms")
-if "HS_PROFILE_MODES" in os.environ:
+if "HS_PROFILE_MODES" in os.environ and not os.environ.get("HS_PROFILE_TORCH"):
     sys.exit(0)
 kernels.HOST_NODES = True
 cache = m.new_cache(128)
@@ -107,4 +109,5 @@ with torch.inference_mode():
         for i in range(3, 5):
             m.forward(torch.tensor([5]), torch.tensor([i]), cache, i + 1)
         sync()
-print(p.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+by = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+print(p.key_averages().table(sort_by=by, row_limit=int(os.environ.get("HS_PROFILE_ROWS", "15"))))
