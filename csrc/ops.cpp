@@ -44,6 +44,7 @@ std::string cold_ffn_error();
 std::vector<int64_t> cold_ffn_stats();
 void cold_ffn_set_threads(int64_t n);
 void pool_configure(int64_t spin_us, int64_t yield_us);
+void pool_rest();
 int64_t pool_selftest(int64_t n, int64_t throw_at);
 }  // namespace hs
 
@@ -104,6 +105,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cold_ffn_error", &hs::cold_ffn_error, "the first error a task met since the last call, cleared");
   m.def("cold_ffn_set_threads", &hs::cold_ffn_set_threads, "the tasks' thread count from now on (made: -t then)");
   m.def("pool_selftest", &hs::pool_selftest, "tests: n pool tasks each add 2^tid to a sum (task throw_at throws)");
+  m.def("pool_rest", &hs::pool_rest, "the cold FFN pool's idle threads sleep now (before CPU work on this thread)");
   m.def("pool_configure", &hs::pool_configure, "the cold FFN pool's idle threads: spin_us spinning (yielding after yield_us), then sleep");
   m.def("cold_ffn_stats", &hs::cold_ffn_stats, "[task runs, nanoseconds inside them, neurons computed] since the process started");
 }

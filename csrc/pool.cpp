@@ -37,6 +37,8 @@ int64_t env_us(const char* name, int64_t fallback) {
 }
 std::atomic<int64_t> spin_limit_ns{env_us("HS_POOL_SPIN_US", 2000)};
 std::atomic<int64_t> yield_after_ns{env_us("HS_POOL_YIELD_US", 50)};
+// pool_rest(): idle threads sleep at once (and those still busy, when they finish) until the next task
+std::atomic<bool> resting{false};
 
 class SpinPool {
  public:
@@ -62,6 +64,7 @@ class SpinPool {
       const uint64_t now = generation_.load(std::memory_order_acquire);  // the thread waits for the next one
       threads_.emplace_back([this, id, now] { loop(id, now); });
     }
+    resting.store(false, std::memory_order_relaxed);
     fn_ = &fn;
     n_tasks_ = n;
     remaining_.store(static_cast<int>(threads_.size()), std::memory_order_relaxed);
@@ -101,7 +104,7 @@ class SpinPool {
         if (++spins % 64 != 0) continue;  // look at the clock now and then
         const int64_t idle = std::chrono::duration_cast<std::chrono::nanoseconds>(
             std::chrono::steady_clock::now() - start).count();
-        if (idle > spin_limit_ns.load(std::memory_order_relaxed)) {
+        if (idle > spin_limit_ns.load(std::memory_order_relaxed) || resting.load(std::memory_order_relaxed)) {
           std::unique_lock<std::mutex> lock(mutex_);
           sleepers_.fetch_add(1, std::memory_order_acq_rel);
           wake_.wait(lock, [&] { return generation_.load(std::memory_order_acquire) != seen; });
@@ -138,6 +141,8 @@ SpinPool& pool() {
 }
 
 }  // namespace
+
+void pool_rest() { resting.store(true, std::memory_order_relaxed); }
 
 void pool_configure(int64_t spin_us, int64_t yield_us) {
   spin_limit_ns = spin_us * 1000;

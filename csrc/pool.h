@@ -24,6 +24,11 @@ void parallel_threads(int n, const std::function<void(int)>& fn);
 // Idle threads: spin for spin_us microseconds, yielding after yield_us of them, then sleep.
 void pool_configure(int64_t spin_us, int64_t yield_us);
 
+// Idle threads sleep now instead of spinning until the next task: for a thread about to run CPU work
+// of its own (a layer whose attention is on the CPU: OpenMP threads on every core), which 15 spinning
+// pool threads would otherwise slow down for up to HS_POOL_SPIN_US.
+void pool_rest();
+
 // Within the scope (on this thread), parallel_threads uses the spinning pool with `n` threads.
 struct PoolScope {
   explicit PoolScope(int n);

@@ -564,6 +564,13 @@ def raise_host_errors() -> None:
             raise RuntimeError(f"the CPU part of a hybrid layer failed: {err}")
 
 
+def pool_rest() -> None:
+    """The host nodes' spinning threads (csrc/pool.cpp) sleep now: this thread is about to run CPU work
+    with its own OpenMP team (a layer whose attention stays on the CPU). Called after the stream is done."""
+    if cpu is not None:
+        cpu.pool_rest()
+
+
 def use_cpu_op(t: torch.Tensor) -> bool:
     return not t.is_cuda and ops() is not None
 

@@ -358,6 +358,33 @@ def test_spin_pool():
     assert out == [127] * 200
 
 
+def test_spin_pool_rest():
+    """pool_rest(): the pool's idle threads stop spinning at once (a CPU-attention layer's OpenMP team
+    needs the cores) and still run the next task. Seen in the process's CPU time while this thread
+    sleeps: with a 1 s spin, three idle threads burn CPU; after pool_rest they do not."""
+    import time
+    pool = kernels.ops() and kernels.cpu
+
+    def idle_cpu_seconds(rest: bool) -> float:
+        assert pool.pool_selftest(4, -1) == 15
+        if rest:
+            pool.pool_rest()
+        time.sleep(0.05)
+        c0 = time.process_time()
+        time.sleep(0.3)
+        return time.process_time() - c0
+
+    pool.pool_configure(1_000_000, 1_000_000)
+    try:
+        spinning = idle_cpu_seconds(rest=False)
+        resting = idle_cpu_seconds(rest=True)
+        assert pool.pool_selftest(4, -1) == 15  # woken for the next task
+    finally:
+        pool.pool_configure(2000, 50)
+    assert spinning > 0.25, spinning
+    assert resting < 0.1, resting
+
+
 def test_cold_ffn_task_errors():
     """Bad buffers, ids and weights are refused in one line when the task is made (in Python: a C++
     exception takes the GPU machine's process down, and the task runs where none can be raised)."""

@@ -12,6 +12,7 @@ from typing import ClassVar
 
 import torch
 
+from .. import kernels
 from ..errors import ModelError
 from ..gguf_file import GGUFFile
 from ..layers import KVCache, Step
@@ -199,6 +200,9 @@ class CausalLM:
         for i, dev in enumerate(p.layers):
             if dev not in steps:
                 steps[dev] = Step.build(positions.to(dev), kv_len, self.windows)
+            if dev.type == "cpu" and x.is_cuda:  # from a GPU layer (its host nodes done once x is here)
+                x = x.to(dev)
+                kernels.pool_rest()  # idle pool threads would spin on the cores this layer's OpenMP team needs
             x = self.block(i, x.to(dev), steps[dev], cache[i])
         return x
 
