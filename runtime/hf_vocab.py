@@ -159,10 +159,13 @@ def _prepends_space(tj: dict) -> bool:
 def _pre_name(pre: dict | None) -> str:
     """llama.cpp's pre-tokenizer name for a byte-level tokenizer.json, from its split regex (the
     regexes transformers maps those names to), `gpt-2` for GPT-2's own, else `default`."""
-    from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_PRE_TOKENIZER_SPLITS
+    try:
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_PRE_TOKENIZER_SPLITS
+    except ImportError:  # older transformers (integrations.ggml): no table of split regexes
+        GGUF_PRE_TOKENIZER_SPLITS = {}
     text = json.dumps(pre or {})
     preferred = ["llama-bpe", "qwen2", "tekken", "gpt-4o", "qwen35"]
-    for name in preferred + sorted(GGUF_PRE_TOKENIZER_SPLITS):
+    for name in [n for n in preferred if n in GGUF_PRE_TOKENIZER_SPLITS] + sorted(GGUF_PRE_TOKENIZER_SPLITS):
         if json.dumps(GGUF_PRE_TOKENIZER_SPLITS[name])[1:-1] in text:
             return name
     if '"type": "ByteLevel"' in text and '"use_regex": true' in text:

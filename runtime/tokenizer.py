@@ -53,15 +53,32 @@ def _cache_path(g: GGUFFile, digest: str) -> Path:
     return cache / beside.name
 
 
+def _legacy_converter(g: GGUFFile, d: dict):
+    """transformers before integrations.gguf.gguf_tokenizer_mapping (up to 5.17 at least): its converters in
+    integrations.ggml, keyed by model type. Only byte-level BPE vocabularies (merges stored) convert the
+    same there; it splits SentencePiece vocabularies (Llama-2, Gemma: scores, no merges) into pieces."""
+    import transformers
+    from transformers.integrations.ggml import GGUF_TO_FAST_CONVERTERS, convert_gguf_tokenizer
+    if d.get("tokenizer_type") != "gpt2" or not d.get("merges"):
+        raise ModelError(f"{g.path}: transformers {transformers.__version__} cannot build this "
+                         f"{d.get('tokenizer_type')!r} vocabulary correctly; install transformers>=5.25")
+    name = g.architecture if g.architecture in GGUF_TO_FAST_CONVERTERS else "gpt2"
+    return convert_gguf_tokenizer, name
+
+
 def _convert(g: GGUFFile):
-    from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer
     d = {}
     for key, name in _KEYS.items():
         if key in g.metadata:
             value = g.metadata[key]
             d[name] = value.tolist() if isinstance(value, np.ndarray) else value
     try:
-        backend, _ = convert_gguf_tokenizer(g.architecture, d)
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer
+        name = g.architecture
+    except ImportError:
+        convert_gguf_tokenizer, name = _legacy_converter(g, d)
+    try:
+        backend, _ = convert_gguf_tokenizer(name, d)
     except Exception as e:
         raise ModelError(f"{g.path}: cannot build a tokenizer from tokenizer.ggml.* metadata: {e}") from None
     return backend
