@@ -12,7 +12,8 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from hybridsparse.runtime import kernels
-from quant_utils import random_rows
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # tests/quant_utils.py
+from quant_utils import random_rows  # noqa: E402
 
 SHAPES = {  # d_model, n_ff, weight type, gated
     "falcon-40b-f16": (8192, 32768, Q.F16, False),

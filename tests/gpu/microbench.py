@@ -1,13 +1,16 @@
 """Kernel microbenchmarks on the GPU machine (not a test): CPU matmul bandwidth by thread count for
 13B-shaped rows, and GPU GEMV bandwidth, each next to torch. Prints a table."""
 
+import os
+import sys
 import time
 
 import torch
 from gguf import GGMLQuantizationType as Q
 
 from hybridsparse.runtime import kernels
-from quant_utils import random_rows
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # tests/quant_utils.py
+from quant_utils import random_rows  # noqa: E402
 
 
 def timeit(f, n=20):
