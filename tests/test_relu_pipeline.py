@@ -33,7 +33,7 @@ def test_trained_relu_model_through_profile_predictors_and_placement(trained_rel
     for row in report["layers"]:
         assert row["recall"] >= 0.98
         assert row["predicted_density"] <= 1.5 * row["true_density"]
-    assert S.main(["-m", str(model), "--vram-budget", "0.7", "--group", "32"]) == 0
+    assert S.main(["-m", str(model), "--vram-budget", "1", "--group", "32"]) == 0
     assert len(read_index(tmp_path / "relu.generated.gpuidx").gpu_neurons) == 2
 
     # the hybrid runtime with the trained predictors, CPU only: teacher-forced top-1 agreement with

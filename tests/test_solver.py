@@ -137,19 +137,19 @@ def relu_model(tmp_path):
 
 
 def test_hs_solve_end_to_end_caches_and_resets(relu_model, capsys):
-    args = ["-m", str(relu_model), "--vram-budget", "0.7", "--group", "8"]
+    args = ["-m", str(relu_model), "--vram-budget", "1", "--group", "8"]
     assert cli.main(args) == 0
     out = capsys.readouterr()
     assert "predicted" in out.out and "wrote" in out.err
     index = relu_model.with_name("relu.generated.gpuidx")
     idx = read_index(index)
-    assert len(idx.gpu_neurons) == 3 and idx.vram_capacity == int(0.7 * GiB)
+    assert len(idx.gpu_neurons) == 3 and idx.vram_capacity == int(1 * GiB)
     assert cli.main(args) == 0
     assert "reusing it" in capsys.readouterr().err
     assert cli.main(args + ["--reset-gpu-index"]) == 0
     assert "wrote" in capsys.readouterr().err
     # a different budget or profile makes the cached index stale: solved again, said so
-    assert cli.main(["-m", str(relu_model), "--vram-budget", "0.8", "--group", "8"]) == 0
+    assert cli.main(["-m", str(relu_model), "--vram-budget", "1.1", "--group", "8"]) == 0
     assert "stale" in capsys.readouterr().err
     torch.save(torch.ones(5), relu_model.with_name("relu.hs-profile") / "activation" / "activation_0.pt")
     assert cli.main(args) == 1
