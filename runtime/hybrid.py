@@ -39,6 +39,9 @@ log = logging.getLogger(__name__)
 MODES = ("predictor", "dense", "oracle", "sampled")
 
 
+PREDICTOR_TYPES = (Q.F16, Q.Q8_0, Q.Q4_0)  # predictor weights computed in their stored type
+
+
 @dataclass
 class LayerPredictor:
     """logits = fc2(relu(fc1(x))); a neuron is predicted active where logits >= threshold."""
@@ -47,11 +50,17 @@ class LayerPredictor:
     threshold: float
 
     def to(self, device: torch.device) -> "LayerPredictor":
-        """Kept in float16 (as the predictor files store them) and run through the compiled GEMV on
-        either device: on the CPU a float32 copy would double the bytes read per token."""
-        as_q = (lambda t: QWeight(t.to(torch.float16).contiguous(), Q.F16, t.shape[1]).to(device))
-        return LayerPredictor(as_q(self.fc1.data if isinstance(self.fc1, QWeight) else self.fc1),
-                              as_q(self.fc2.data if isinstance(self.fc2, QWeight) else self.fc2), self.threshold)
+        """Run through the compiled GEMV on either device, in the type the file stores them in where
+        that is float16, Q8_0 or Q4_0 (`hs-quantize --quantize-predictors`: a quarter to a half of the
+        bytes each token reads, which is what the solver counts), else in float16: on the CPU a float32
+        copy would double the bytes read per token. QWeight.to turns a type the CUDA kernels lack into
+        float16."""
+        def place(w):
+            if isinstance(w, QWeight) and w.qtype in PREDICTOR_TYPES:
+                return w.to(device)
+            t = w.dequantize() if isinstance(w, QWeight) else w
+            return QWeight(t.to(torch.float16).contiguous(), Q.F16, t.shape[1]).to(device)
+        return LayerPredictor(place(self.fc1), place(self.fc2), self.threshold)
 
     def mask(self, x: torch.Tensor) -> torch.Tensor:
         if not isinstance(self.fc1, QWeight):
@@ -614,7 +623,7 @@ def load_layer_predictors(model_path: Path, model, opts: HybridOptions) -> list[
     elif path.is_file():
         pairs, thresholds, _ = load_predictors(path)
     elif model.predictors is not None:  # a PowerInfer GGUF carries its predictors
-        pairs = [(p.fc1.dequantize().float(), p.fc2.dequantize().float()) for p in model.predictors]
+        pairs = [(p.fc1, p.fc2) for p in model.predictors]  # as stored (LayerPredictor.to)
         thresholds = [model.sparse_threshold] * len(pairs)
         path = model_path
     else:
@@ -622,9 +631,11 @@ def load_layer_predictors(model_path: Path, model, opts: HybridOptions) -> list[
     if len(pairs) != c.n_layers:
         raise InputError(f"{path}: {len(pairs)} layers of predictors, the model has {c.n_layers}")
     out = []
+    shape = (lambda w: [w.out_features, w.in_features] if isinstance(w, QWeight) else list(w.shape))
     for i, ((fc1, fc2), thr) in enumerate(zip(pairs, thresholds)):
-        if fc1.shape[1] != c.d_model or fc2.shape[0] != c.n_ff or fc2.shape[1] != fc1.shape[0]:
-            raise InputError(f"{path}: blk.{i}.fc1/fc2 have shapes {list(fc1.shape)}/{list(fc2.shape)}, expected "
+        s1, s2 = shape(fc1), shape(fc2)
+        if s1[1] != c.d_model or s2[0] != c.n_ff or s2[1] != s1[0]:
+            raise InputError(f"{path}: blk.{i}.fc1/fc2 have shapes {s1}/{s2}, expected "
                              f"[rank, {c.d_model}] and [{c.n_ff}, rank]")
         out.append(LayerPredictor(fc1, fc2, float(thr)))
     return out

@@ -126,3 +126,28 @@ def test_trained_relu_model_keeps_its_perplexity(trained_relu, tmp_path, threads
     assert ppl["Q8_0"] <= ppl["F16"] * 1.005
     assert ppl["Q4_0"] <= ppl["F16"] * 1.05
     assert ppl["F16"] < 40  # a trained model, not noise (a uniform guess over its 259 tokens would be 259)
+
+
+def test_quantized_predictors_run_in_their_stored_type(powerinfer_f16, tmp_path):
+    """`--quantize-predictors` pays at run time: the hybrid runtime computes a Q8_0 predictor in Q8_0
+    (the bytes the solver counts), not widened back to float16, and it chooses what the float16
+    predictor chooses up to the quantization's flips near the threshold."""
+    from hybridsparse.runtime.hybrid import HybridOptions
+    from hybridsparse.runtime.loader import open_model
+    out = tmp_path / "q8p.gguf"
+    assert hq.main([str(powerinfer_f16), str(out), "Q8_0", "--quantize-predictors"]) == 0
+    assert GGUFFile(out).tensors["blk.0.fc1.weight"].qtype == Q.Q8_0
+    opts = HybridOptions(vram_budget=0.0, mode="predictor", n_ctx=64)
+    ref = open_model(powerinfer_f16, hybrid=opts, log_line=lambda s: None)
+    lm = open_model(out, hybrid=opts, log_line=lambda s: None)
+    x = torch.randn(32, 64, generator=torch.Generator().manual_seed(0))
+    for a, b in zip(ref.model.layers, lm.model.layers):
+        pa, pb = a.ffn.predictor, b.ffn.predictor
+        assert pa.fc1.qtype == Q.F16 and pb.fc1.qtype == Q.Q8_0
+        assert pb.fc2.qtype == GGUFFile(out).tensors["blk.0.fc2.weight"].qtype  # rows of 16: not quantizable, kept
+        agree = (pa.mask(x) == pb.mask(x)).float().mean().item()
+        assert agree >= 0.97, agree
+    ids = lm.tokenizer.encode("hello")
+    with torch.inference_mode():
+        logits = lm.model.forward(torch.tensor(ids), torch.arange(len(ids)), lm.model.new_cache(64), len(ids))
+    assert torch.isfinite(logits).all()
