@@ -41,7 +41,83 @@ inline float quantize_two_planes(const float* x, int8_t (*qs)[N]) {
   return d0 / PLANE_SHIFT;
 }
 
+inline bool cpu_has_avx2();  // below
+
+#ifdef HS_X86
+// round_half_away on 8 lanes, with the same float steps: truncate, then move a fraction of at least
+// one half away from zero
+HS_AVX2 static inline __m256 round_half_away8(__m256 v) {
+  const __m256 t = _mm256_round_ps(v, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_sub_ps(v, t), one = _mm256_set1_ps(1.f);
+  const __m256 up = _mm256_and_ps(_mm256_cmp_ps(f, _mm256_set1_ps(0.5f), _CMP_GE_OQ), one);
+  const __m256 down = _mm256_and_ps(_mm256_cmp_ps(f, _mm256_set1_ps(-0.5f), _CMP_LE_OQ), one);
+  return _mm256_sub_ps(_mm256_add_ps(t, up), down);
+}
+
+// 32 int32 values in [-128, 127] (four vectors) to 32 int8 in order (packs work within 128-bit lanes)
+HS_AVX2 static inline __m256i pack_i32x32_to_i8(const __m256i* q, __m256i order) {
+  return _mm256_permutevar8x32_epi32(
+      _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])), order);
+}
+
+// quantize_two_planes<N> eight lanes at a time, bit for bit the same (every float operation is the
+// scalar code's, and the product d0 * q0 is kept apart from the subtraction so that no compiler fuses
+// them into an FMA, which rounds once instead of twice); also the sums of PLANE_SHIFT * q0 + q1 per
+// 16 values. The scalar loops cost ~2.5 ns a value (Zen 4): ~20 us per 8192-wide x, on one thread
+// before each parallel region of a decode step.
+template <int N>
+HS_AVX2 static inline float quantize_two_planes_avx2(const float* x, int8_t (*qs)[N], int32_t* sums16) {
+  static_assert(N % 32 == 0, "blocks of 32");
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 m = _mm256_setzero_ps();
+  for (int i = 0; i < N; i += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)));
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_max_ss(h, _mm_movehdup_ps(h));
+  const float amax = _mm_cvtss_f32(h);
+  const float d0 = amax / 127.f, id0 = d0 != 0.f ? 1.f / d0 : 0.f;
+  const float id1 = id0 * PLANE_SHIFT;
+  const __m256 vd0 = _mm256_set1_ps(d0), vid0 = _mm256_set1_ps(id0), vid1 = _mm256_set1_ps(id1);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int i = 0; i < N; i += 32) {
+    __m256i q0[4], q1[4];
+    for (int k = 0; k < 4; ++k) {
+      const __m256 xv = _mm256_loadu_ps(x + i + 8 * k);
+      const __m256 r0 = round_half_away8(_mm256_mul_ps(xv, vid0));
+      __m256 back = _mm256_mul_ps(vd0, r0);
+      __asm__("" : "+x"(back));  // no fused multiply-subtract below
+      const __m256 r1 = round_half_away8(_mm256_mul_ps(_mm256_sub_ps(xv, back), vid1));
+      q0[k] = _mm256_cvttps_epi32(r0);
+      q1[k] = _mm256_cvttps_epi32(r1);
+    }
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(qs[0] + i), pack_i32x32_to_i8(q0, order));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(qs[1] + i), pack_i32x32_to_i8(q1, order));
+    for (int g = 0; g < 2; ++g) {  // values i + 16g .. i + 16g + 15: vectors 2g and 2g + 1
+      const __m256i c = _mm256_add_epi32(
+          _mm256_add_epi32(_mm256_slli_epi32(q0[2 * g], 7), q1[2 * g]),
+          _mm256_add_epi32(_mm256_slli_epi32(q0[2 * g + 1], 7), q1[2 * g + 1]));
+      __m128i t = _mm_add_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
+      t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
+      t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
+      sums16[i / 16 + g] = _mm_cvtsi128_si32(t);
+    }
+  }
+  static_assert(PLANE_SHIFT == 128, "the sums shift by 7");
+  return d0 / PLANE_SHIFT;
+}
+#endif
+
 inline void quantize_act_q8(const float* x, ActQ8* out, int64_t n) {
+#ifdef HS_X86
+  if (cpu_has_avx2()) {
+    for (int64_t b = 0; b < n / QK; ++b) {
+      int32_t s[QK / 16];
+      out[b].d = quantize_two_planes_avx2<QK>(x + b * QK, out[b].qs, s);
+      out[b].sum = s[0] + s[1];
+    }
+    return;
+  }
+#endif
   for (int64_t b = 0; b < n / QK; ++b) {
     out[b].d = quantize_two_planes<QK>(x + b * QK, out[b].qs);
     int32_t s = 0;
@@ -51,6 +127,12 @@ inline void quantize_act_q8(const float* x, ActQ8* out, int64_t n) {
 }
 
 inline void quantize_act_q8k(const float* x, ActQ8K* out, int64_t n) {
+#ifdef HS_X86
+  if (cpu_has_avx2()) {
+    for (int64_t b = 0; b < n / QK_K; ++b) out[b].d = quantize_two_planes_avx2<QK_K>(x + b * QK_K, out[b].qs, out[b].bsums);
+    return;
+  }
+#endif
   for (int64_t b = 0; b < n / QK_K; ++b) {
     out[b].d = quantize_two_planes<QK_K>(x + b * QK_K, out[b].qs);
     for (int g = 0; g < QK_K / 16; ++g) {

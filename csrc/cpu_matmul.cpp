@@ -385,6 +385,22 @@ DotTokensK pick_tokens_k(int64_t qtype, int nt) {
 // Which CPU code path the dot products take on this machine ("avx2" or "scalar").
 std::string cpu_path() { return cpu_has_avx512() ? "avx512" : cpu_has_avx2() ? "avx2" : "scalar"; }
 
+// The activation quantization's output as bytes (ActQ8 per 32 values, or ActQ8K per 256 with
+// k_quant), for tests: the vector and scalar paths must agree bit for bit.
+at::Tensor quantize_act_bytes(const at::Tensor& x, bool k_quant) {
+  TORCH_CHECK(x.dim() == 1 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.numel() % (k_quant ? QK_K : QK) == 0,
+              "quantize_act_bytes: x must be a contiguous float32 vector of whole blocks");
+  const int64_t n = x.numel();
+  if (k_quant) {
+    std::vector<ActQ8K> a(n / QK_K);
+    quantize_act_q8k(x.data_ptr<float>(), a.data(), n);
+    return at::from_blob(a.data(), {static_cast<int64_t>(a.size() * sizeof(ActQ8K))}, at::kByte).clone();
+  }
+  std::vector<ActQ8> a(n / QK);
+  quantize_act_q8(x.data_ptr<float>(), a.data(), n);
+  return at::from_blob(a.data(), {static_cast<int64_t>(a.size() * sizeof(ActQ8))}, at::kByte).clone();
+}
+
 // Index of the largest value of a float32 vector (greedy sampling), ties to the lowest index.
 int64_t argmax_cpu(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 1 && x.numel() > 0 && x.scalar_type() == at::kFloat && x.is_contiguous(),

@@ -7,6 +7,7 @@ std::vector<at::Tensor> qmatmul_multi_cpu(const std::vector<at::Tensor>& ws, con
                                           const at::Tensor& x);
 int64_t argmax_cpu(const at::Tensor& x);
 std::string cpu_path();
+at::Tensor quantize_act_bytes(const at::Tensor& x, bool k_quant);
 std::vector<at::Tensor> qmatmul_rows_cpu(const std::vector<at::Tensor>& ws, const std::vector<int64_t>& qtypes,
                                          const at::Tensor& x, const std::vector<c10::optional<at::Tensor>>& idxs);
 at::Tensor sparse_axpy_cpu(const at::Tensor& w, int64_t qtype, const at::Tensor& h,
@@ -87,6 +88,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qmatmul_multi", &hs::qmatmul_multi_cpu);
   m.def("argmax", &hs::argmax_cpu);
   m.def("cpu_path", &hs::cpu_path);
+  m.def("quantize_act_bytes", &hs::quantize_act_bytes, "tests: the activation quantization (ActQ8 / ActQ8K) as bytes");
   m.def("qmatmul_rows", &hs::qmatmul_rows_cpu, "y_i = x . W_i[idx_i]^T (idx_i None: all rows)");
   m.def("sparse_rowdot", &hs::sparse_rowdot_cpu, "y = x . W[idx]^T, masked-out rows 0");
   m.def("sparse_axpy", &hs::sparse_axpy_cpu, "y = h . W_t[idx] (idx None: all rows)");

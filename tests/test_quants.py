@@ -210,3 +210,57 @@ def test_many_token_cpu_gemm_matches_twin(qtype, threads):
     ws = [QWeight.from_raw(w[:300], qtype, 256), QWeight.from_raw(w[300:400], qtype, 256)]
     for y, q in zip(linear_many(x, ws), ws):
         torch.testing.assert_close(y, kernels.matmul_reference(x, q.data, qtype), rtol=1e-4, atol=1e-4)
+
+
+QUANT_ACT_BYTES = """
+import sys, torch
+from hybridsparse.runtime import kernels
+kernels.ops()
+assert kernels.cpu.cpu_path() == "scalar", kernels.cpu.cpu_path()
+x = torch.load(sys.argv[1])
+torch.save([kernels.cpu.quantize_act_bytes(x, False), kernels.cpu.quantize_act_bytes(x, True)], sys.argv[2])
+"""
+
+
+def _activation_cases() -> torch.Tensor:
+    """Blocks of 256 that reach the rounding's edges: values landing exactly on halves in both planes
+    (amax 127: d0 = 1), all zeros, one nonzero, tiny and huge scales, and plain random ones."""
+    g = torch.Generator().manual_seed(3)
+    halves = torch.arange(-128, 128, dtype=torch.float32) / 2
+    halves[0] = 127.0  # the block's amax: d0 = 1 exactly
+    fine = torch.round(torch.randn(256, generator=g) * 4096) / 4096 * 40  # plane-1 halves among them
+    fine[5] = -127.0
+    one = torch.zeros(256)
+    one[77] = -3.0
+    blocks = [halves, fine, torch.zeros(256), one, torch.randn(256, generator=g) * 1e-30,
+              torch.randn(256, generator=g) * 1e30, *(torch.randn(256, generator=g) * s for s in (0.01, 1, 50))]
+    return torch.cat(blocks).contiguous()
+
+
+@needs_kernels
+@pytest.mark.skipif(not kernels.available() or kernels.cpu.cpu_path() == "scalar", reason="no vector path here")
+def test_activation_quantization_vector_path_is_bit_exact(tmp_path):
+    """The AVX2 activation quantization (ActQ8 per 32 values and ActQ8K per 256) writes the same
+    bytes as the portable loops, and the values the Python twin computes."""
+    import os
+    import subprocess
+    import sys
+    x = _activation_cases()
+    torch.save(x, tmp_path / "x.pt")
+    r = subprocess.run([sys.executable, "-c", QUANT_ACT_BYTES, str(tmp_path / "x.pt"), str(tmp_path / "s.pt")],
+                       capture_output=True, text=True, timeout=300, env={**os.environ, "HS_CPU_PATH": "scalar"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    scalar = torch.load(tmp_path / "s.pt")
+    vector = [kernels.cpu.quantize_act_bytes(x, False), kernels.cpu.quantize_act_bytes(x, True)]
+    for k, (a, b) in enumerate(zip(vector, scalar)):
+        assert torch.equal(a, b), f"k_quant={bool(k)}: {int((a != b).sum())} bytes differ"
+    # ActQ8 = {float d, int8 q0[32], int8 q1[32], int32 sum}: its values against the twin
+    raw = vector[0].numpy()
+    rec = raw.reshape(-1, 72)
+    d = rec[:, :4].copy().view(np.float32)[:, 0].astype(np.float64)
+    q0 = rec[:, 4:36].view(np.int8).astype(np.float64)
+    q1 = rec[:, 36:68].view(np.int8).astype(np.float64)
+    sums = rec[:, 68:72].copy().view(np.int32)[:, 0]
+    assert np.array_equal(sums, (128 * q0 + q1).sum(1).astype(np.int64))
+    twin = quantize_activations(x[None], 32)[0].double().numpy().reshape(-1, 32)
+    assert np.array_equal(d[:, None] * (128 * q0 + q1), twin)
