@@ -752,6 +752,34 @@ HS_AVX512 static inline void dot_q45_0_rows_vnni(const void* const* rows, const 
   for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]) - cr[r];
 }
 
+// dot_q45_0_tokens_avx2 with VNNI (a prompt's tokens against one row, each unpacked block shared):
+// one vpdpbusd per plane instead of maddubs + madd, and the offset term left out of the loop: the
+// row's scales are kept, and each token's sum over blocks of scale * offset-sum is one dot product
+// with them afterwards (the activations' per-block offset-sums, times their scale, made once per x).
+template <int64_t QT, int NT>
+HS_AVX512 static inline void dot_q45_0_tokens_vnni(const void* row, const ActQ8* a, int64_t nb, int64_t stride,
+                                                   float* out) {
+  constexpr float offset = QT == Q4_0 ? 8.f : 16.f;
+  __m256 acc[NT];
+  float corr[NT];
+  for (int t = 0; t < NT; ++t) { acc[t] = _mm256_setzero_ps(); corr[t] = 0.f; }
+  for (int64_t b = 0; b < nb; ++b) {
+    float dw;
+    const __m256i qu = unsigned_block_q45_0<QT>(row, b, dw);
+    for (int t = 0; t < NT; ++t) {
+      const ActQ8& at = a[t * stride + b];
+      const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at.qs[0]));
+      const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at.qs[1]));
+      const __m256i i = _mm256_add_epi32(_mm256_slli_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), qu, x0), 7),
+                                         _mm256_dpbusd_epi32(_mm256_setzero_si256(), qu, x1));
+      const float sc = dw * at.d;
+      acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(sc), _mm256_cvtepi32_ps(i), acc[t]);
+      corr[t] += sc * offset * static_cast<float>(at.sum);
+    }
+  }
+  for (int t = 0; t < NT; ++t) out[t] = hsum(acc[t]) - corr[t];
+}
+
 template <int64_t QT>
 HS_AVX512 static inline float dot_q45_0_vnni(const void* row, const ActQ8* a, int64_t nb) {
   float out;

@@ -358,8 +358,13 @@ DotTokens pick_tokens(int64_t qtype, int nt) {
                                            dot_q45_0_tokens_avx2<Q4_0, 3>, dot_q45_0_tokens_avx2<Q4_0, 4>};
   static const DotTokens q5[TOKEN_TILE] = {dot_q45_0_tokens_avx2<Q5_0, 1>, dot_q45_0_tokens_avx2<Q5_0, 2>,
                                            dot_q45_0_tokens_avx2<Q5_0, 3>, dot_q45_0_tokens_avx2<Q5_0, 4>};
-  if (qtype == Q4_0) return q4[nt - 1];
-  if (qtype == Q5_0) return q5[nt - 1];
+  static const DotTokens q4v[TOKEN_TILE] = {dot_q45_0_tokens_vnni<Q4_0, 1>, dot_q45_0_tokens_vnni<Q4_0, 2>,
+                                            dot_q45_0_tokens_vnni<Q4_0, 3>, dot_q45_0_tokens_vnni<Q4_0, 4>};
+  static const DotTokens q5v[TOKEN_TILE] = {dot_q45_0_tokens_vnni<Q5_0, 1>, dot_q45_0_tokens_vnni<Q5_0, 2>,
+                                            dot_q45_0_tokens_vnni<Q5_0, 3>, dot_q45_0_tokens_vnni<Q5_0, 4>};
+  const bool vnni = cpu_has_avx512();  // prefill of Gemma 3 270M (Q5_0 rows), 2 threads: +4%
+  if (qtype == Q4_0) return (vnni ? q4v : q4)[nt - 1];
+  if (qtype == Q5_0) return (vnni ? q5v : q5)[nt - 1];
 #endif
   (void)qtype; (void)nt;
   return nullptr;
