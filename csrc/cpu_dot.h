@@ -753,9 +753,7 @@ HS_AVX512 static inline void dot_q45_0_rows_vnni(const void* const* rows, const 
 }
 
 // dot_q45_0_tokens_avx2 with VNNI (a prompt's tokens against one row, each unpacked block shared):
-// one vpdpbusd per plane instead of maddubs + madd, and the offset term left out of the loop: the
-// row's scales are kept, and each token's sum over blocks of scale * offset-sum is one dot product
-// with them afterwards (the activations' per-block offset-sums, times their scale, made once per x).
+// one vpdpbusd per plane instead of maddubs + madd; the same int32 sums, so the same results.
 template <int64_t QT, int NT>
 HS_AVX512 static inline void dot_q45_0_tokens_vnni(const void* row, const ActQ8* a, int64_t nb, int64_t stride,
                                                    float* out) {
