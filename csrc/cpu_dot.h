@@ -113,7 +113,7 @@ inline void quantize_act_q8(const float* x, ActQ8* out, int64_t n) {
     for (int64_t b = 0; b < n / QK; ++b) {
       int32_t s[QK / 16];
       out[b].d = quantize_two_planes_avx2<QK>(x + b * QK, out[b].qs, s);
-      out[b].sum = s[0] + s[1];
+      out[b].dsum = out[b].d * static_cast<float>(s[0] + s[1]);
     }
     return;
   }
@@ -122,7 +122,7 @@ inline void quantize_act_q8(const float* x, ActQ8* out, int64_t n) {
     out[b].d = quantize_two_planes<QK>(x + b * QK, out[b].qs);
     int32_t s = 0;
     for (int i = 0; i < QK; ++i) s += PLANE_SHIFT * out[b].qs[0][i] + out[b].qs[1][i];
-    out[b].sum = s;
+    out[b].dsum = out[b].d * static_cast<float>(s);
   }
 }
 
@@ -332,7 +332,7 @@ HS_AVX2 static inline void dot_q45_0_tokens_avx2(const void* row, const ActQ8* a
       const ActQ8& at = a[t * stride + b];
       const float s = dw * at.d;
       acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(s), _mm256_cvtepi32_ps(block_dot2_unsigned(qu, at)), acc[t]);
-      corr[t] += s * offset * static_cast<float>(at.sum);
+      corr[t] += dw * offset * at.dsum;
     }
   }
   for (int t = 0; t < NT; ++t) out[t] = hsum(acc[t]) - corr[t];
@@ -738,7 +738,7 @@ HS_AVX512 static inline void dot_q45_0_rows_vnni(const void* const* rows, const 
   for (int64_t b = 0; b < nb; ++b) {
     const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a[b].qs[0]));
     const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a[b].qs[1]));
-    const float ad = a[b].d, as = offset * static_cast<float>(a[b].sum);
+    const float ad = a[b].d, as = offset * a[b].dsum;
     for (int r = 0; r < R; ++r) {
       float dw;
       const __m256i qu = unsigned_block_q45_0<QT>(rows[r], b, dw);
@@ -746,7 +746,7 @@ HS_AVX512 static inline void dot_q45_0_rows_vnni(const void* const* rows, const 
                                          _mm256_dpbusd_epi32(_mm256_setzero_si256(), qu, x1));
       const float s = dw * ad;
       acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(s), _mm256_cvtepi32_ps(i), acc[r]);
-      cr[r] += s * as;
+      cr[r] += dw * as;
     }
   }
   for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]) - cr[r];
@@ -772,7 +772,7 @@ HS_AVX512 static inline void dot_q45_0_tokens_vnni(const void* row, const ActQ8*
                                          _mm256_dpbusd_epi32(_mm256_setzero_si256(), qu, x1));
       const float sc = dw * at.d;
       acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(sc), _mm256_cvtepi32_ps(i), acc[t]);
-      corr[t] += sc * offset * static_cast<float>(at.sum);
+      corr[t] += dw * offset * at.dsum;
     }
   }
   for (int t = 0; t < NT; ++t) out[t] = hsum(acc[t]) - corr[t];

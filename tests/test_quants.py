@@ -254,13 +254,13 @@ def test_activation_quantization_vector_path_is_bit_exact(tmp_path):
     vector = [kernels.cpu.quantize_act_bytes(x, False), kernels.cpu.quantize_act_bytes(x, True)]
     for k, (a, b) in enumerate(zip(vector, scalar)):
         assert torch.equal(a, b), f"k_quant={bool(k)}: {int((a != b).sum())} bytes differ"
-    # ActQ8 = {float d, int8 q0[32], int8 q1[32], int32 sum}: its values against the twin
+    # ActQ8 = {float d, int8 q0[32], int8 q1[32], float dsum = d * sum of 128 q0 + q1}: its values against the twin
     raw = vector[0].numpy()
     rec = raw.reshape(-1, 72)
     d = rec[:, :4].copy().view(np.float32)[:, 0].astype(np.float64)
     q0 = rec[:, 4:36].view(np.int8).astype(np.float64)
     q1 = rec[:, 36:68].view(np.int8).astype(np.float64)
-    sums = rec[:, 68:72].copy().view(np.int32)[:, 0]
-    assert np.array_equal(sums, (128 * q0 + q1).sum(1).astype(np.int64))
+    dsum = rec[:, 68:72].copy().view(np.float32)[:, 0]
+    assert np.array_equal(dsum, (d.astype(np.float32) * (128 * q0 + q1).sum(1).astype(np.float32)))
     twin = quantize_activations(x[None], 32)[0].double().numpy().reshape(-1, 32)
     assert np.array_equal(d[:, None] * (128 * q0 + q1), twin)
