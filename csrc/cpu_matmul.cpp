@@ -70,11 +70,18 @@ DotQ8 pick_q8(int64_t qtype) {
 
 DotQ8K pick_q8k(int64_t qtype) {
 #ifdef HS_X86
+  if (cpu_has_avx512()) {
+    switch (qtype) {
+      case Q4_K: return kq_vnni::dot_q45_k<false>;
+      case Q5_K: return kq_vnni::dot_q45_k<true>;
+      case Q6_K: return kq_vnni::dot_q6_k;
+    }
+  }
   if (cpu_has_avx2()) {
     switch (qtype) {
-      case Q4_K: return dot_q45_k_avx2<false>;
-      case Q5_K: return dot_q45_k_avx2<true>;
-      case Q6_K: return dot_q6_k_avx2;
+      case Q4_K: return kq_avx2::dot_q45_k<false>;
+      case Q5_K: return kq_avx2::dot_q45_k<true>;
+      case Q6_K: return kq_avx2::dot_q6_k;
     }
   }
 #endif
@@ -373,15 +380,23 @@ DotTokens pick_tokens(int64_t qtype, int nt) {
 DotTokensK pick_tokens_k(int64_t qtype, int nt) {
 #ifdef HS_X86
   if (!cpu_has_avx2()) return nullptr;
-  static const DotTokensK q4[TOKEN_TILE] = {dot_q45_k_tokens_avx2<false, 1>, dot_q45_k_tokens_avx2<false, 2>,
-                                            dot_q45_k_tokens_avx2<false, 3>, dot_q45_k_tokens_avx2<false, 4>};
-  static const DotTokensK q5[TOKEN_TILE] = {dot_q45_k_tokens_avx2<true, 1>, dot_q45_k_tokens_avx2<true, 2>,
-                                            dot_q45_k_tokens_avx2<true, 3>, dot_q45_k_tokens_avx2<true, 4>};
-  static const DotTokensK q6[TOKEN_TILE] = {dot_q6_k_tokens_avx2<1>, dot_q6_k_tokens_avx2<2>,
-                                            dot_q6_k_tokens_avx2<3>, dot_q6_k_tokens_avx2<4>};
-  if (qtype == Q4_K) return q4[nt - 1];
-  if (qtype == Q5_K) return q5[nt - 1];
-  if (qtype == Q6_K) return q6[nt - 1];
+  using namespace kq_avx2;
+  static const DotTokensK q4[TOKEN_TILE] = {dot_q45_k_tokens<false, 1>, dot_q45_k_tokens<false, 2>,
+                                            dot_q45_k_tokens<false, 3>, dot_q45_k_tokens<false, 4>};
+  static const DotTokensK q5[TOKEN_TILE] = {dot_q45_k_tokens<true, 1>, dot_q45_k_tokens<true, 2>,
+                                            dot_q45_k_tokens<true, 3>, dot_q45_k_tokens<true, 4>};
+  static const DotTokensK q6[TOKEN_TILE] = {dot_q6_k_tokens<1>, dot_q6_k_tokens<2>, dot_q6_k_tokens<3>,
+                                            dot_q6_k_tokens<4>};
+  static const DotTokensK q4v[TOKEN_TILE] = {kq_vnni::dot_q45_k_tokens<false, 1>, kq_vnni::dot_q45_k_tokens<false, 2>,
+                                             kq_vnni::dot_q45_k_tokens<false, 3>, kq_vnni::dot_q45_k_tokens<false, 4>};
+  static const DotTokensK q5v[TOKEN_TILE] = {kq_vnni::dot_q45_k_tokens<true, 1>, kq_vnni::dot_q45_k_tokens<true, 2>,
+                                             kq_vnni::dot_q45_k_tokens<true, 3>, kq_vnni::dot_q45_k_tokens<true, 4>};
+  static const DotTokensK q6v[TOKEN_TILE] = {kq_vnni::dot_q6_k_tokens<1>, kq_vnni::dot_q6_k_tokens<2>,
+                                             kq_vnni::dot_q6_k_tokens<3>, kq_vnni::dot_q6_k_tokens<4>};
+  const bool vnni = cpu_has_avx512();
+  if (qtype == Q4_K) return (vnni ? q4v : q4)[nt - 1];
+  if (qtype == Q5_K) return (vnni ? q5v : q5)[nt - 1];
+  if (qtype == Q6_K) return (vnni ? q6v : q6)[nt - 1];
 #endif
   (void)qtype; (void)nt;
   return nullptr;
