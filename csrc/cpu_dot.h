@@ -697,6 +697,34 @@ HS_AVX512 static inline void dot_q45_0_tokens_vnni(const void* row, const ActQ8*
   for (int t = 0; t < NT; ++t) out[t] = hsum(acc[t]) - corr[t];
 }
 
+// Q8_0 rows against a tile of tokens with VNNI: the weights' magnitudes and signs taken once per
+// block for all the tokens, the sign moved onto each token's activations (as in
+// dot_q8_0_rows_avx512), one vpdpbusd per plane. Without it a prompt read each row once per token.
+template <int NT>
+HS_AVX512 static inline void dot_q8_0_tokens_vnni(const void* row, const ActQ8* a, int64_t nb, int64_t stride,
+                                                  float* out) {
+  const BlockQ8_0* w = static_cast<const BlockQ8_0*>(row);
+  __m256 acc[NT];
+  for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[b].qs));
+    const __mmask32 neg = _mm256_movepi8_mask(q);
+    const __m256i mag = _mm256_abs_epi8(q);
+    const float dw = _cvtsh_ss(w[b].d);
+    for (int t = 0; t < NT; ++t) {
+      const ActQ8& at = a[t * stride + b];
+      const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at.qs[0]));
+      const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at.qs[1]));
+      const __m256i y0 = _mm256_mask_sub_epi8(x0, neg, _mm256_setzero_si256(), x0);
+      const __m256i y1 = _mm256_mask_sub_epi8(x1, neg, _mm256_setzero_si256(), x1);
+      const __m256i i = _mm256_add_epi32(_mm256_slli_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), mag, y0), 7),
+                                         _mm256_dpbusd_epi32(_mm256_setzero_si256(), mag, y1));
+      acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(dw * at.d), _mm256_cvtepi32_ps(i), acc[t]);
+    }
+  }
+  for (int t = 0; t < NT; ++t) out[t] = hsum(acc[t]);
+}
+
 template <int64_t QT>
 HS_AVX512 static inline float dot_q45_0_vnni(const void* row, const ActQ8* a, int64_t nb) {
   float out;
