@@ -318,38 +318,6 @@ HS_AVX2 static inline __m256i unsigned_block_q45_0(const void* row, int64_t b, f
   }
 }
 
-template <int64_t QT, int NT>
-HS_AVX2 static inline void dot_q45_0_tokens_avx2(const void* row, const ActQ8* a, int64_t nb, int64_t stride,
-                                                 float* out) {
-  __m256 acc[NT];
-  float corr[NT];
-  for (int t = 0; t < NT; ++t) { acc[t] = _mm256_setzero_ps(); corr[t] = 0.f; }
-  constexpr float offset = QT == Q4_0 ? 8.f : 16.f;
-  for (int64_t b = 0; b < nb; ++b) {
-    float dw;
-    const __m256i qu = unsigned_block_q45_0<QT>(row, b, dw);
-    for (int t = 0; t < NT; ++t) {
-      const ActQ8& at = a[t * stride + b];
-      const float s = dw * at.d;
-      acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(s), _mm256_cvtepi32_ps(block_dot2_unsigned(qu, at)), acc[t]);
-      corr[t] += dw * offset * at.dsum;
-    }
-  }
-  for (int t = 0; t < NT; ++t) out[t] = hsum(acc[t]) - corr[t];
-}
-
-HS_AVX2 static inline float dot_q4_0_avx2(const void* row, const ActQ8* a, int64_t nb) {
-  float out;
-  dot_q45_0_tokens_avx2<Q4_0, 1>(row, a, nb, nb, &out);
-  return out;
-}
-
-HS_AVX2 static inline float dot_q5_0_avx2(const void* row, const ActQ8* a, int64_t nb) {
-  float out;
-  dot_q45_0_tokens_avx2<Q5_0, 1>(row, a, nb, nb, &out);
-  return out;
-}
-
 HS_AVX2 static inline float dot_q8_0_avx2(const void* row, const ActQ8* a, int64_t nb) {
   const BlockQ8_0* w = static_cast<const BlockQ8_0*>(row);
   __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
@@ -364,13 +332,25 @@ HS_AVX2 static inline float dot_q8_0_avx2(const void* row, const ActQ8* a, int64
   return hsum(_mm256_add_ps(acc0, acc1));
 }
 
-namespace kq_avx2 {
-#define HS_KQ_TARGET HS_AVX2
-#define HS_KQ_VNNI 0
-#include "cpu_kquant.h"
-#undef HS_KQ_TARGET
-#undef HS_KQ_VNNI
-}  // namespace kq_avx2
+namespace isa_avx2 {  // the kernels of cpu_dot_isa.h for AVX2
+#define HS_ISA_TARGET HS_AVX2
+#define HS_ISA_VNNI 0
+#include "cpu_dot_isa.h"
+#undef HS_ISA_TARGET
+#undef HS_ISA_VNNI
+}  // namespace isa_avx2
+
+HS_AVX2 static inline float dot_q4_0_avx2(const void* row, const ActQ8* a, int64_t nb) {
+  float out;
+  isa_avx2::dot_q45_0_tokens<Q4_0, 1>(row, a, nb, nb, &out);
+  return out;
+}
+
+HS_AVX2 static inline float dot_q5_0_avx2(const void* row, const ActQ8* a, int64_t nb) {
+  float out;
+  isa_avx2::dot_q45_0_tokens<Q5_0, 1>(row, a, nb, nb, &out);
+  return out;
+}
 
 
 HS_AVX2 static inline __m256 bf16x8(const uint16_t* p) {
@@ -568,13 +548,21 @@ HS_AVX2 static inline void axpy_group_q5_0_avx2(const float* s, const void* cons
 
 #define HS_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")))
 
-namespace kq_vnni {  // the K-quant kernels with VNNI (cpu_kquant.h)
-#define HS_KQ_TARGET HS_AVX512
-#define HS_KQ_VNNI 1
-#include "cpu_kquant.h"
-#undef HS_KQ_TARGET
-#undef HS_KQ_VNNI
-}  // namespace kq_vnni
+// unsigned weights u (0..128) against both planes with 256-bit VNNI: 128 * (u . x0) + (u . x1) per
+// int32 lane (dot2_vnni below on 512 bits)
+HS_AVX512 static inline __m256i dot2_vnni256(__m256i u, __m256i x0, __m256i x1) {
+  const __m256i i0 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, x0);
+  const __m256i i1 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, x1);
+  return _mm256_add_epi32(_mm256_slli_epi32(i0, 7), i1);  // PLANE_SHIFT = 128
+}
+
+namespace isa_vnni {  // the kernels of cpu_dot_isa.h with AVX-512 VNNI
+#define HS_ISA_TARGET HS_AVX512
+#define HS_ISA_VNNI 1
+#include "cpu_dot_isa.h"
+#undef HS_ISA_TARGET
+#undef HS_ISA_VNNI
+}  // namespace isa_vnni
 
 HS_AVX512 static inline __m512i join256(__m256i lo, __m256i hi) {
   return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
@@ -661,40 +649,13 @@ HS_AVX512 static inline void dot_q45_0_rows_vnni(const void* const* rows, const 
     for (int r = 0; r < R; ++r) {
       float dw;
       const __m256i qu = unsigned_block_q45_0<QT>(rows[r], b, dw);
-      const __m256i i = _mm256_add_epi32(_mm256_slli_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), qu, x0), 7),
-                                         _mm256_dpbusd_epi32(_mm256_setzero_si256(), qu, x1));
+      const __m256i i = dot2_vnni256(qu, x0, x1);
       const float s = dw * ad;
       acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(s), _mm256_cvtepi32_ps(i), acc[r]);
       cr[r] += dw * as;
     }
   }
   for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]) - cr[r];
-}
-
-// dot_q45_0_tokens_avx2 with VNNI (a prompt's tokens against one row, each unpacked block shared):
-// one vpdpbusd per plane instead of maddubs + madd; the same int32 sums, so the same results.
-template <int64_t QT, int NT>
-HS_AVX512 static inline void dot_q45_0_tokens_vnni(const void* row, const ActQ8* a, int64_t nb, int64_t stride,
-                                                   float* out) {
-  constexpr float offset = QT == Q4_0 ? 8.f : 16.f;
-  __m256 acc[NT];
-  float corr[NT];
-  for (int t = 0; t < NT; ++t) { acc[t] = _mm256_setzero_ps(); corr[t] = 0.f; }
-  for (int64_t b = 0; b < nb; ++b) {
-    float dw;
-    const __m256i qu = unsigned_block_q45_0<QT>(row, b, dw);
-    for (int t = 0; t < NT; ++t) {
-      const ActQ8& at = a[t * stride + b];
-      const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at.qs[0]));
-      const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at.qs[1]));
-      const __m256i i = _mm256_add_epi32(_mm256_slli_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), qu, x0), 7),
-                                         _mm256_dpbusd_epi32(_mm256_setzero_si256(), qu, x1));
-      const float sc = dw * at.d;
-      acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(sc), _mm256_cvtepi32_ps(i), acc[t]);
-      corr[t] += dw * offset * at.dsum;
-    }
-  }
-  for (int t = 0; t < NT; ++t) out[t] = hsum(acc[t]) - corr[t];
 }
 
 // Q8_0 rows against a tile of tokens with VNNI: the weights' magnitudes and signs taken once per
@@ -717,9 +678,7 @@ HS_AVX512 static inline void dot_q8_0_tokens_vnni(const void* row, const ActQ8* 
       const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at.qs[1]));
       const __m256i y0 = _mm256_mask_sub_epi8(x0, neg, _mm256_setzero_si256(), x0);
       const __m256i y1 = _mm256_mask_sub_epi8(x1, neg, _mm256_setzero_si256(), x1);
-      const __m256i i = _mm256_add_epi32(_mm256_slli_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), mag, y0), 7),
-                                         _mm256_dpbusd_epi32(_mm256_setzero_si256(), mag, y1));
-      acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(dw * at.d), _mm256_cvtepi32_ps(i), acc[t]);
+      acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(dw * at.d), _mm256_cvtepi32_ps(dot2_vnni256(mag, y0, y1)), acc[t]);
     }
   }
   for (int t = 0; t < NT; ++t) out[t] = hsum(acc[t]);

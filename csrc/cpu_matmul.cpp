@@ -72,16 +72,16 @@ DotQ8K pick_q8k(int64_t qtype) {
 #ifdef HS_X86
   if (cpu_has_avx512()) {
     switch (qtype) {
-      case Q4_K: return kq_vnni::dot_q45_k<false>;
-      case Q5_K: return kq_vnni::dot_q45_k<true>;
-      case Q6_K: return kq_vnni::dot_q6_k;
+      case Q4_K: return isa_vnni::dot_q45_k<false>;
+      case Q5_K: return isa_vnni::dot_q45_k<true>;
+      case Q6_K: return isa_vnni::dot_q6_k;
     }
   }
   if (cpu_has_avx2()) {
     switch (qtype) {
-      case Q4_K: return kq_avx2::dot_q45_k<false>;
-      case Q5_K: return kq_avx2::dot_q45_k<true>;
-      case Q6_K: return kq_avx2::dot_q6_k;
+      case Q4_K: return isa_avx2::dot_q45_k<false>;
+      case Q5_K: return isa_avx2::dot_q45_k<true>;
+      case Q6_K: return isa_avx2::dot_q6_k;
     }
   }
 #endif
@@ -361,14 +361,14 @@ at::Tensor qmatmul_cpu(const at::Tensor& w, int64_t qtype, const at::Tensor& x) 
 DotTokens pick_tokens(int64_t qtype, int nt) {
 #ifdef HS_X86
   if (!cpu_has_avx2()) return nullptr;
-  static const DotTokens q4[TOKEN_TILE] = {dot_q45_0_tokens_avx2<Q4_0, 1>, dot_q45_0_tokens_avx2<Q4_0, 2>,
-                                           dot_q45_0_tokens_avx2<Q4_0, 3>, dot_q45_0_tokens_avx2<Q4_0, 4>};
-  static const DotTokens q5[TOKEN_TILE] = {dot_q45_0_tokens_avx2<Q5_0, 1>, dot_q45_0_tokens_avx2<Q5_0, 2>,
-                                           dot_q45_0_tokens_avx2<Q5_0, 3>, dot_q45_0_tokens_avx2<Q5_0, 4>};
-  static const DotTokens q4v[TOKEN_TILE] = {dot_q45_0_tokens_vnni<Q4_0, 1>, dot_q45_0_tokens_vnni<Q4_0, 2>,
-                                            dot_q45_0_tokens_vnni<Q4_0, 3>, dot_q45_0_tokens_vnni<Q4_0, 4>};
-  static const DotTokens q5v[TOKEN_TILE] = {dot_q45_0_tokens_vnni<Q5_0, 1>, dot_q45_0_tokens_vnni<Q5_0, 2>,
-                                            dot_q45_0_tokens_vnni<Q5_0, 3>, dot_q45_0_tokens_vnni<Q5_0, 4>};
+  static const DotTokens q4[TOKEN_TILE] = {isa_avx2::dot_q45_0_tokens<Q4_0, 1>, isa_avx2::dot_q45_0_tokens<Q4_0, 2>,
+                                           isa_avx2::dot_q45_0_tokens<Q4_0, 3>, isa_avx2::dot_q45_0_tokens<Q4_0, 4>};
+  static const DotTokens q5[TOKEN_TILE] = {isa_avx2::dot_q45_0_tokens<Q5_0, 1>, isa_avx2::dot_q45_0_tokens<Q5_0, 2>,
+                                           isa_avx2::dot_q45_0_tokens<Q5_0, 3>, isa_avx2::dot_q45_0_tokens<Q5_0, 4>};
+  static const DotTokens q4v[TOKEN_TILE] = {isa_vnni::dot_q45_0_tokens<Q4_0, 1>, isa_vnni::dot_q45_0_tokens<Q4_0, 2>,
+                                            isa_vnni::dot_q45_0_tokens<Q4_0, 3>, isa_vnni::dot_q45_0_tokens<Q4_0, 4>};
+  static const DotTokens q5v[TOKEN_TILE] = {isa_vnni::dot_q45_0_tokens<Q5_0, 1>, isa_vnni::dot_q45_0_tokens<Q5_0, 2>,
+                                            isa_vnni::dot_q45_0_tokens<Q5_0, 3>, isa_vnni::dot_q45_0_tokens<Q5_0, 4>};
   static const DotTokens q8v[TOKEN_TILE] = {dot_q8_0_tokens_vnni<1>, dot_q8_0_tokens_vnni<2>,
                                             dot_q8_0_tokens_vnni<3>, dot_q8_0_tokens_vnni<4>};
   const bool vnni = cpu_has_avx512();  // prefill of Gemma 3 270M (Q5_0 rows), 2 threads: +4%
@@ -383,19 +383,18 @@ DotTokens pick_tokens(int64_t qtype, int nt) {
 DotTokensK pick_tokens_k(int64_t qtype, int nt) {
 #ifdef HS_X86
   if (!cpu_has_avx2()) return nullptr;
-  using namespace kq_avx2;
-  static const DotTokensK q4[TOKEN_TILE] = {dot_q45_k_tokens<false, 1>, dot_q45_k_tokens<false, 2>,
-                                            dot_q45_k_tokens<false, 3>, dot_q45_k_tokens<false, 4>};
-  static const DotTokensK q5[TOKEN_TILE] = {dot_q45_k_tokens<true, 1>, dot_q45_k_tokens<true, 2>,
-                                            dot_q45_k_tokens<true, 3>, dot_q45_k_tokens<true, 4>};
-  static const DotTokensK q6[TOKEN_TILE] = {dot_q6_k_tokens<1>, dot_q6_k_tokens<2>, dot_q6_k_tokens<3>,
-                                            dot_q6_k_tokens<4>};
-  static const DotTokensK q4v[TOKEN_TILE] = {kq_vnni::dot_q45_k_tokens<false, 1>, kq_vnni::dot_q45_k_tokens<false, 2>,
-                                             kq_vnni::dot_q45_k_tokens<false, 3>, kq_vnni::dot_q45_k_tokens<false, 4>};
-  static const DotTokensK q5v[TOKEN_TILE] = {kq_vnni::dot_q45_k_tokens<true, 1>, kq_vnni::dot_q45_k_tokens<true, 2>,
-                                             kq_vnni::dot_q45_k_tokens<true, 3>, kq_vnni::dot_q45_k_tokens<true, 4>};
-  static const DotTokensK q6v[TOKEN_TILE] = {kq_vnni::dot_q6_k_tokens<1>, kq_vnni::dot_q6_k_tokens<2>,
-                                             kq_vnni::dot_q6_k_tokens<3>, kq_vnni::dot_q6_k_tokens<4>};
+  static const DotTokensK q4[TOKEN_TILE] = {isa_avx2::dot_q45_k_tokens<false, 1>, isa_avx2::dot_q45_k_tokens<false, 2>,
+                                            isa_avx2::dot_q45_k_tokens<false, 3>, isa_avx2::dot_q45_k_tokens<false, 4>};
+  static const DotTokensK q5[TOKEN_TILE] = {isa_avx2::dot_q45_k_tokens<true, 1>, isa_avx2::dot_q45_k_tokens<true, 2>,
+                                            isa_avx2::dot_q45_k_tokens<true, 3>, isa_avx2::dot_q45_k_tokens<true, 4>};
+  static const DotTokensK q6[TOKEN_TILE] = {isa_avx2::dot_q6_k_tokens<1>, isa_avx2::dot_q6_k_tokens<2>, isa_avx2::dot_q6_k_tokens<3>,
+                                            isa_avx2::dot_q6_k_tokens<4>};
+  static const DotTokensK q4v[TOKEN_TILE] = {isa_vnni::dot_q45_k_tokens<false, 1>, isa_vnni::dot_q45_k_tokens<false, 2>,
+                                             isa_vnni::dot_q45_k_tokens<false, 3>, isa_vnni::dot_q45_k_tokens<false, 4>};
+  static const DotTokensK q5v[TOKEN_TILE] = {isa_vnni::dot_q45_k_tokens<true, 1>, isa_vnni::dot_q45_k_tokens<true, 2>,
+                                             isa_vnni::dot_q45_k_tokens<true, 3>, isa_vnni::dot_q45_k_tokens<true, 4>};
+  static const DotTokensK q6v[TOKEN_TILE] = {isa_vnni::dot_q6_k_tokens<1>, isa_vnni::dot_q6_k_tokens<2>,
+                                             isa_vnni::dot_q6_k_tokens<3>, isa_vnni::dot_q6_k_tokens<4>};
   const bool vnni = cpu_has_avx512();
   if (qtype == Q4_K) return (vnni ? q4v : q4)[nt - 1];
   if (qtype == Q5_K) return (vnni ? q5v : q5)[nt - 1];

@@ -1,29 +1,59 @@
-// The K-quant dot products (Q4_K, Q5_K, Q6_K rows against two-plane activations, NT tokens at once).
-// cpu_dot.h includes this file twice, on purpose without an include guard: in namespace kq_avx2 with
-// HS_KQ_TARGET = HS_AVX2 and HS_KQ_VNNI 0, and in kq_vnni with the AVX-512 VNNI target and HS_KQ_VNNI
-// 1, where the scales' multiply-add and the accumulation are one vpdpwssd (same int32 sums, same
-// results). One source for both instruction sets.
+// Kernels written once and compiled for two instruction sets: cpu_dot.h includes this file twice, on
+// purpose without an include guard, in namespace isa_avx2 with HS_ISA_TARGET = HS_AVX2 and
+// HS_ISA_VNNI 0, and in isa_vnni with the AVX-512 VNNI target and HS_ISA_VNNI 1. The VNNI forms
+// compute the same int32 sums with fewer instructions (vpdpbusd, vpdpwssd), so both give the same
+// results: the Q4_0/Q5_0 and K-quant (Q4_K, Q5_K, Q6_K) dot products against two-plane
+// activations, NT tokens at once.
+
+// Q4_0 / Q5_0 keep their weights unsigned (nibble, or nibble | high bit) and subtract the offset
+// times the activation sum once per block: no sign juggling in the inner loop. NT tokens at once
+// (prefill): each weight block is unpacked once for all of them; a[t * stride + b] is block b of
+// token t, out[t] receives its dot product.
+template <int64_t QT, int NT>
+HS_ISA_TARGET static inline void dot_q45_0_tokens(const void* row, const ActQ8* a, int64_t nb, int64_t stride,
+                                                  float* out) {
+  __m256 acc[NT];
+  float corr[NT];
+  for (int t = 0; t < NT; ++t) { acc[t] = _mm256_setzero_ps(); corr[t] = 0.f; }
+  constexpr float offset = QT == Q4_0 ? 8.f : 16.f;
+  for (int64_t b = 0; b < nb; ++b) {
+    float dw;
+    const __m256i qu = unsigned_block_q45_0<QT>(row, b, dw);
+    for (int t = 0; t < NT; ++t) {
+      const ActQ8& at = a[t * stride + b];
+#if HS_ISA_VNNI
+      const __m256i i = dot2_vnni256(qu, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at.qs[0])),
+                                     _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at.qs[1])));
+#else
+      const __m256i i = block_dot2_unsigned(qu, at);
+#endif
+      acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(dw * at.d), _mm256_cvtepi32_ps(i), acc[t]);
+      corr[t] += dw * offset * at.dsum;
+    }
+  }
+  for (int t = 0; t < NT; ++t) out[t] = hsum(acc[t]) - corr[t];
+}
 
 // acc + unsigned weights (0..63) x both activation planes at element offset `off`, times a per-16
 // scale pair, combined in int32 (plane 0 weighs PLANE_SHIFT) -> 8 int32. With VNNI the scale's
 // multiply-add and the accumulation are one vpdpwssd (the same int32 sums).
 template <typename A>
-HS_KQ_TARGET static inline __m256i dot_u8_scaled(__m256i acc, __m256i q, const A& a, int off, int16_t s_lo,
+HS_ISA_TARGET static inline __m256i dot_u8_scaled(__m256i acc, __m256i q, const A& a, int off, int16_t s_lo,
                                                  int16_t s_hi) {
   const __m256i p0 = _mm256_maddubs_epi16(q, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.qs[0] + off)));
   const __m256i p1 = _mm256_maddubs_epi16(q, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.qs[1] + off)));
   const __m256i s1 = _mm256_set_m128i(_mm_set1_epi16(s_hi), _mm_set1_epi16(s_lo));
   const __m256i s0 = _mm256_slli_epi16(s1, 7);  // * PLANE_SHIFT; |scale| <= 128 fits int16
-#if HS_KQ_VNNI
+#if HS_ISA_VNNI
   return _mm256_dpwssd_epi32(_mm256_dpwssd_epi32(acc, p0, s0), p1, s1);
 #else
   return _mm256_add_epi32(acc, _mm256_add_epi32(_mm256_madd_epi16(p0, s0), _mm256_madd_epi16(p1, s1)));
 #endif
 }
 
-// K-quants, NT tokens at once (see dot_q45_0_tokens_avx2 in cpu_dot.h for a and out).
+// K-quants, NT tokens at once (see dot_q45_0_tokens for a and out).
 template <bool FIVE_BIT, int NT>
-HS_KQ_TARGET static inline void dot_q45_k_tokens(const void* row, const ActQ8K* a, int64_t nb, int64_t stride,
+HS_ISA_TARGET static inline void dot_q45_k_tokens(const void* row, const ActQ8K* a, int64_t nb, int64_t stride,
                                                  float* out) {
   float acc[NT] = {};
   const __m256i m4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
@@ -60,14 +90,14 @@ HS_KQ_TARGET static inline void dot_q45_k_tokens(const void* row, const ActQ8K* 
 }
 
 template <bool FIVE_BIT>
-HS_KQ_TARGET static inline float dot_q45_k(const void* row, const ActQ8K* a, int64_t nb) {
+HS_ISA_TARGET static inline float dot_q45_k(const void* row, const ActQ8K* a, int64_t nb) {
   float out;
   dot_q45_k_tokens<FIVE_BIT, 1>(row, a, nb, nb, &out);
   return out;
 }
 
 template <int NT>
-HS_KQ_TARGET static inline void dot_q6_k_tokens(const void* row, const ActQ8K* a, int64_t nb, int64_t stride,
+HS_ISA_TARGET static inline void dot_q6_k_tokens(const void* row, const ActQ8K* a, int64_t nb, int64_t stride,
                                                 float* out) {
   const BlockQ6_K* w = static_cast<const BlockQ6_K*>(row);
   float acc[NT] = {};
@@ -101,7 +131,7 @@ HS_KQ_TARGET static inline void dot_q6_k_tokens(const void* row, const ActQ8K* a
   for (int t = 0; t < NT; ++t) out[t] = acc[t];
 }
 
-HS_KQ_TARGET static inline float dot_q6_k(const void* row, const ActQ8K* a, int64_t nb) {
+HS_ISA_TARGET static inline float dot_q6_k(const void* row, const ActQ8K* a, int64_t nb) {
   float out;
   dot_q6_k_tokens<1>(row, a, nb, nb, &out);
   return out;
