@@ -38,7 +38,17 @@ CUDA_MAX_GEMV_TOKENS = 8  # csrc/cuda_sparse.cu: cuda_max_tokens()
 # Decode-sized float16/bfloat16 matmuls on the GPU: "ours" (csrc/cuda_sparse.cu) or "cublas"
 # (torch's F.linear); HS_CUDA_GEMV picks, for side-by-side benchmarks.
 CUDA_GEMV = os.environ.get("HS_CUDA_GEMV", "ours")
-_DEQUANT_CHUNK_ROWS = 8192
+# Block-format weights go through cuBLAS / torch a slice of rows at a time, dequantized to float32:
+# at most this many bytes of it per slice. Rows of 8192 elements 8192 at a time (as before) made
+# ~1 GiB of temporaries on the GPU during a 70B prefill (the S2 plan's peak went over its budget);
+# the solver counts this much for them (solver.plan.DEQUANT_BYTES).
+DEQUANT_SLICE_BYTES = 32 << 20
+
+
+def _slice_rows(data: torch.Tensor, qtype: Q) -> int:
+    """Rows per dequantized slice of `data` (uint8 [rows, row_bytes] or a float tensor)."""
+    elems = data.shape[1] if qtype in FLOAT_TYPES else row_elements(qtype, data.shape[1])
+    return max(1, DEQUANT_SLICE_BYTES // (4 * max(1, elems)))
 # Hybrid decode on CUDA: each layer's cold FFN runs as a host node of the stream (csrc/cold_ffn.cpp),
 # so a step is queued (or replayed as a CUDA graph) without the Python thread waiting per layer.
 # HS_HOST_NODES=0 uses the event-synchronised path instead, for side-by-side benchmarks.
@@ -262,11 +272,10 @@ def qmatmul(data: torch.Tensor, qtype: Q, x: torch.Tensor) -> torch.Tensor:
 
 def matmul_reference(x: torch.Tensor, data: torch.Tensor, qtype: Q) -> torch.Tensor:
     """Twin of `qmatmul`: y[T, rows] = x[T, in] @ dequantize(data).T in float32."""
-    rows = data.shape[0]
-    if rows <= _DEQUANT_CHUNK_ROWS:
+    rows, n = data.shape[0], _slice_rows(data, qtype)
+    if rows <= n:
         return F.linear(x, dequantize(data, qtype))
-    return torch.cat([F.linear(x, dequantize(data[i:i + _DEQUANT_CHUNK_ROWS], qtype))
-                      for i in range(0, rows, _DEQUANT_CHUNK_ROWS)], dim=-1)
+    return torch.cat([F.linear(x, dequantize(data[i:i + n], qtype)) for i in range(0, rows, n)], dim=-1)
 
 
 def matmul(x: torch.Tensor, data: torch.Tensor, qtype: Q) -> torch.Tensor:
@@ -279,8 +288,9 @@ def matmul(x: torch.Tensor, data: torch.Tensor, qtype: Q) -> torch.Tensor:
         if qtype in FLOAT_TYPES:
             return F.linear(x.to(data.dtype), data).float()
         # prefill: dequantize a slice of rows at a time to float16 and use cuBLAS
-        return torch.cat([F.linear(x.half(), dequantize(data[i:i + _DEQUANT_CHUNK_ROWS], qtype).half()).float()
-                          for i in range(0, data.shape[0], _DEQUANT_CHUNK_ROWS)], dim=-1)
+        n = _slice_rows(data, qtype)
+        return torch.cat([F.linear(x.half(), dequantize(data[i:i + n], qtype).half()).float()
+                          for i in range(0, data.shape[0], n)], dim=-1)
     if qtype == Q.F32:
         return F.linear(x, data)
     if x.shape[0] >= CPU_GEMM_TOKENS:
@@ -335,9 +345,9 @@ def matmul_t(h: torch.Tensor, data: torch.Tensor, qtype: Q) -> torch.Tensor:
     if data.is_cuda and qtype in FLOAT_TYPES:
         return (h.to(data.dtype) @ data).float()
     if data.is_cuda:  # a slice of rows at a time in float16: never a float32 copy of the whole weight
-        hh, out = h.half(), None
-        for i in range(0, data.shape[0], _DEQUANT_CHUNK_ROWS):
-            part = hh[:, i:i + _DEQUANT_CHUNK_ROWS] @ dequantize(data[i:i + _DEQUANT_CHUNK_ROWS], qtype).half()
+        hh, out, n = h.half(), None, _slice_rows(data, qtype)
+        for i in range(0, data.shape[0], n):
+            part = hh[:, i:i + n] @ dequantize(data[i:i + n], qtype).half()
             out = part.float() if out is None else out + part.float()
         return out if out is not None else h.new_zeros(h.shape[0], row_elements(qtype, data.shape[1]))
     if qtype == Q.F32:
