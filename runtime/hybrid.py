@@ -280,10 +280,15 @@ class HybridFFN:
             with _timed("send to CPU"):
                 cold_in = self._send_to_cpu(x, cold_mask)
         with _timed("hot launch"):
-            y = self._hot_part(x.to(self.fast), mask)
-            y = None if y is None else y.to(dev)
+            y = self._hot_part(self._to_fast(x), mask)
+            if y is not None and y.device != dev:  # x on the CPU: the GPU's part comes back while the
+                y = self._from_fast(y, dev)        # CPU computes the cold part (collected below)
         if cold_in is not None:
             yc = self._cold(*cold_in, pairs=pairs)
+        if callable(y):
+            with _timed("wait for GPU"):
+                y = y()
+        if cold_in is not None:
             if yc is not None:
                 with _timed("copy back"):
                     if dev.type == "cuda":  # through a pinned buffer: the host goes on queueing work
@@ -473,6 +478,35 @@ class HybridFFN:
 
     def _act(self, u: torch.Tensor, g: torch.Tensor | None) -> torch.Tensor:
         return ACTIVATIONS[self.spec.activation](u) if g is None else gated_act(g, u, self.spec)
+
+    def _to_fast(self, x: torch.Tensor) -> torch.Tensor:
+        """x on the fast device; one token from the CPU through a pinned buffer, without waiting for the copy."""
+        if self.fast is None or self.fast.type != "cuda" or x.device.type != "cpu" or x.shape[0] != 1:
+            return x.to(self.fast) if self.fast is not None else x
+        key = ("in", tuple(x.shape))
+        if key not in self._pinned:
+            self._pinned[key] = (_pinned(x.shape, torch.float32), None)
+        xh = self._pinned[key][0]
+        xh.copy_(x)
+        return xh.to(self.fast, non_blocking=True)
+
+    def _from_fast(self, y: torch.Tensor, dev: torch.device):
+        """A function giving y on `dev`: from CUDA to the CPU, the copy is queued now into a pinned buffer
+        and waited for only when the function is called, so the CPU works in between."""
+        if y.device.type != "cuda" or dev.type != "cpu" or y.shape[0] != 1:  # one token: buffers per shape
+            y = y.to(dev)
+            return lambda: y
+        key = ("hot", tuple(y.shape))
+        if key not in self._pinned:
+            self._pinned[key] = (_pinned(y.shape, torch.float32), torch.cuda.Event())
+        yh, done = self._pinned[key]
+        yh.copy_(y, non_blocking=True)
+        done.record()
+
+        def collect() -> torch.Tensor:
+            done.synchronize()
+            return yh.clone()
+        return collect
 
     def _cold(self, x: torch.Tensor, cold_mask: torch.Tensor | None, event=None, pairs: int | None = None):
         if event is not None:
@@ -687,7 +721,8 @@ def _score_thresholds(profile_dir: Path, n_layers: int, sparsity: float | None =
 
 def cuda_budget(budget_gib: float | None, device: torch.device) -> int:
     """The budget in bytes, and the allocator capped so torch cannot exceed it: the budget counts the
-    CUDA context and everything else the driver reports, so the cap is the budget less what is in use."""
+    CUDA context and everything else the driver reports, so the cap is the budget less the context
+    (what it holds now or what the solver counts for it, whichever is more)."""
     from hybridsparse.solver.plan import CUDA_CONTEXT_BYTES, GiB
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -700,10 +735,16 @@ def cuda_budget(budget_gib: float | None, device: torch.device) -> int:
         used = CUDA_CONTEXT_BYTES
     if budget > total:
         raise InputError(f"--vram-budget {budget_gib:g} GiB is more than the {total / GiB:.1f} GiB the GPU has")
-    room = budget - used
-    if room <= 0:
+    if budget <= used:
         raise InputError(f"--vram-budget {budget_gib:g} GiB is below the {used / GiB:.2f} GiB the CUDA context "
                          "already takes; raise it or use --vram-budget 0 for CPU only")
+    # the context grows after this (kernels load on first use: ~150 MiB in a 70B run on the H200), so
+    # the cap leaves it what the solver counts for it, not what it holds now
+    room = budget - max(used, CUDA_CONTEXT_BYTES)
+    if room <= 0:
+        raise InputError(f"--vram-budget {budget_gib:g} GiB leaves nothing for weights once the CUDA context "
+                         f"({CUDA_CONTEXT_BYTES / GiB:.2f} GiB as counted) is set aside; raise it or use "
+                         "--vram-budget 0 for CPU only")
     torch.cuda.set_per_process_memory_fraction(min(1.0, room / total), device)
     return budget, used
 
