@@ -11,7 +11,8 @@
     the spinning pool, and/or this thread spinning while a step runs (HS_GRAPH_WAIT=spin),
 and torch's profile of two eager steps. HS_PROFILE_MODES=graphs (a comma list of graphs, unfused, eager,
 events, omp, spin, omp-spin, skip, static, t-1, noyield, sleep) runs only those and skips torch's profile
-(unless HS_PROFILE_TORCH=1; HS_PROFILE_ROWS rows of it, by device time on a GPU); HS_THREADS sets the
+(unless HS_PROFILE_TORCH=1; HS_PROFILE_ROWS rows of it, by device time on a GPU or by HS_PROFILE_SORT,
+e.g. self_cpu_time_total); HS_THREADS sets the
 thread count (default 16).
   HS_HYBRID_TIMING=1 python tests/gpu/profile_hybrid.py MODEL BUDGET_GIB [MODE] [N]"""
 
@@ -109,5 +110,5 @@ with torch.inference_mode():
         for i in range(3, 5):
             m.forward(torch.tensor([5]), torch.tensor([i]), cache, i + 1)
         sync()
-by = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+by = os.environ.get("HS_PROFILE_SORT") or ("self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total")
 print(p.key_averages().table(sort_by=by, row_limit=int(os.environ.get("HS_PROFILE_ROWS", "15"))))
