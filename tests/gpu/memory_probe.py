@@ -39,10 +39,7 @@ for i, layer in enumerate(m.layers):
         p = f.predictor
         if p is not None and p.fc1.data.is_cuda:
             parts["predictors"] += p.fc1.data.nbytes + p.fc2.data.nbytes
-for layer in m.layers:
-    for name, t in vars(layer).items():
-        if isinstance(t, torch.Tensor) and t.is_cuda:
-            parts["layer tensors"] += t.nbytes
+parts["everything else (attention, norms, head, embeddings)"] = torch.cuda.memory_allocated() - sum(parts.values())
 for k, v in parts.most_common(12):
     print(f"  {k:40s} {v / GiB:7.3f} GiB")
 gen = Generator(m, lm.tokenizer, 512, use_graphs=True)
