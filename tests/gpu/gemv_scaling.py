@@ -1,5 +1,5 @@
 """Dense CPU GEMV by thread count (tool, not a test): qmatmul on 8192 x 8192 weights in Q4_0, Q8_0 and
-F16, each rep another copy (beyond the caches), at 1..16 threads; the Q4_0 rows also as a sparse list
+F16 (GS_TYPES), each rep another copy (beyond the caches), at 1..16 threads (GS_THREADS); the Q4_0 rows also as a sparse list
 of half of them (the side-by-side row kernel) and as the fused FFN's dot. Usage: gemv_scaling.py"""
 
 import os
@@ -16,7 +16,7 @@ from quant_utils import random_rows  # noqa: E402
 kernels.ops()
 print(f"cpu path {kernels.cpu.cpu_path()}", flush=True)
 x = torch.randn(1, 8192)
-for qt in (Q.Q4_0, Q.Q8_0, Q.F16):
+for qt in [Q[t] for t in os.environ.get("GS_TYPES", "Q4_0,Q8_0,F16").split(",")]:
     ws = [random_rows(qt, 8192, 8192).contiguous() for _ in range(6)]
     half = torch.randperm(8192, generator=torch.Generator().manual_seed(0))[:4000].sort().values.int()
     for th in [int(t) for t in os.environ.get("GS_THREADS", "1,2,4,8,16").split(",")]:
