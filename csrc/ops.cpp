@@ -27,6 +27,7 @@ std::tuple<at::Tensor, at::Tensor> sparse_ffn_masked_cpu(const at::Tensor& x, co
 at::Tensor sparse_rowdot_cpu(const at::Tensor& w, int64_t qtype, const at::Tensor& x,
                              const c10::optional<at::Tensor>& idx, const c10::optional<at::Tensor>& mask);
 at::Tensor qmatmul_t_cpu(const at::Tensor& w, int64_t qtype, const at::Tensor& h);
+at::Tensor dequantize_rows_cpu(const at::Tensor& w, int64_t qtype, const c10::optional<at::Tensor>& out);
 bool has_cuda();
 void rope_cpu(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, bool neox);
 at::Tensor attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache,
@@ -96,6 +97,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("sparse_ffn_masked", &hs::sparse_ffn_masked_cpu,
         "several tokens over the neurons idx, token t only where mask[t, k]; returns (y, h)");
   m.def("qmatmul_t", &hs::qmatmul_t_cpu);
+  m.def("dequantize", &hs::dequantize_rows_cpu, "rows of a block format (or float16/bfloat16) -> float32, in parallel "
+        "(into out's storage when given)", py::arg("w"), py::arg("qtype"), py::arg("out") = py::none());
   m.def("rms_norm", &hs::rms_norm_cpu);
   m.def("rope_", &hs::rope_cpu);
   m.def("attention", &hs::attention_cpu);

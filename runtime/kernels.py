@@ -11,6 +11,7 @@ import hashlib
 import logging
 import os
 import sys
+import threading
 from pathlib import Path
 
 import torch
@@ -53,9 +54,12 @@ def _slice_rows(data: torch.Tensor, qtype: Q) -> int:
 # so a step is queued (or replayed as a CUDA graph) without the Python thread waiting per layer.
 # HS_HOST_NODES=0 uses the event-synchronised path instead, for side-by-side benchmarks.
 HOST_NODES = os.environ.get("HS_HOST_NODES", "1") != "0"
-# Prefill on the CPU: from this many tokens per call, a slice of rows dequantized to float32 and torch's
-# GEMM beat the compiled per-row dot products (the dequantization is paid once for all the tokens).
-CPU_GEMM_TOKENS = int(os.environ.get("HS_CPU_GEMM_TOKENS", "128"))
+# Prefill on the CPU: from this many tokens per call, a slice of rows dequantized to float32 (compiled,
+# csrc/dequant.cpp) and torch's GEMM beat the compiled per-row dot products (the dequantization is paid
+# once for all the tokens). Gemma 3 270M Q4_K_M, 2 threads of the dev VM, in-process best of 5: 32 / 48
+# / 64 tokens 352 / 447 / 500 tok/s this way against 382 / 410 / 411 with the per-row kernels; with
+# the torch twin dequantizing, the crossover was past 128.
+CPU_GEMM_TOKENS = int(os.environ.get("HS_CPU_GEMM_TOKENS", "64"))
 _CPU_GEMM_CHUNK_ROWS = 1024
 # The sparse row-dot / axpy over listed rows (a hybrid model's cold neurons during a long prefill or a
 # big server batch) switch to gathered slices and GEMM later: the per-row kernels win up to ~384 tokens
@@ -300,13 +304,33 @@ def matmul(x: torch.Tensor, data: torch.Tensor, qtype: Q) -> torch.Tensor:
     return matmul_reference(x, data, qtype)
 
 
+# Formats the compiled dequantizer reads (csrc/dequant.cpp); others go through the torch twin.
+# (float16 / bfloat16: torch's own conversion is faster)
+CPU_DEQUANT_TYPES = {Q.Q4_0, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K}
+
+
+_SCRATCH = threading.local()
+
+
+def dequantize_cpu(data: torch.Tensor, qtype: Q) -> torch.Tensor:
+    """Rows of a CPU weight as float32: compiled and parallel where it can, into this thread's scratch
+    buffer (valid until its next call), else the torch twin (a new tensor)."""
+    if qtype in CPU_DEQUANT_TYPES and ops() is not None and data.shape[0] > 0 and (data.is_contiguous() or data.shape[0] == 1):
+        need = data.shape[0] * row_elements(qtype, data.shape[1] * data.element_size())
+        buf = getattr(_SCRATCH, "buf", None)
+        if buf is None or buf.numel() < need:
+            buf = _SCRATCH.buf = torch.empty(need, dtype=torch.float32)
+        return cpu.dequantize(data, int(qtype), buf)
+    return dequantize(data, qtype)
+
+
 def cpu_gemm(x: torch.Tensor, data: torch.Tensor, qtype: Q) -> torch.Tensor:
     """Many tokens on the CPU: dequantize a slice of rows at a time (never the whole weight in float32)
     and let torch's GEMM do the arithmetic."""
     rows = data.shape[0]
     out = torch.empty(x.shape[0], rows, dtype=torch.float32)
     for i in range(0, rows, _CPU_GEMM_CHUNK_ROWS):
-        torch.matmul(x, dequantize(data[i:i + _CPU_GEMM_CHUNK_ROWS], qtype).T, out=out[:, i:i + _CPU_GEMM_CHUNK_ROWS])
+        torch.matmul(x, dequantize_cpu(data[i:i + _CPU_GEMM_CHUNK_ROWS], qtype).T, out=out[:, i:i + _CPU_GEMM_CHUNK_ROWS])
     return out
 
 
@@ -318,7 +342,7 @@ def cpu_gemm_rows(x: torch.Tensor, data: torch.Tensor, qtype: Q, idx: torch.Tens
     out = torch.empty(x.shape[0], idx.numel(), dtype=torch.float32)
     for i in range(0, idx.numel(), _CPU_GEMM_CHUNK_ROWS):
         rows = data.index_select(0, idx[i:i + _CPU_GEMM_CHUNK_ROWS].long())
-        torch.matmul(x, dequantize(rows, qtype).T, out=out[:, i:i + _CPU_GEMM_CHUNK_ROWS])
+        torch.matmul(x, dequantize_cpu(rows, qtype).T, out=out[:, i:i + _CPU_GEMM_CHUNK_ROWS])
     return out
 
 
@@ -330,7 +354,7 @@ def cpu_gemm_t_rows(h: torch.Tensor, data: torch.Tensor, qtype: Q, idx: torch.Te
     for i in range(0, n, _CPU_GEMM_CHUNK_ROWS):
         rows = data[i:i + _CPU_GEMM_CHUNK_ROWS] if idx is None else \
             data.index_select(0, idx[i:i + _CPU_GEMM_CHUNK_ROWS].long())
-        part = h[:, i:i + _CPU_GEMM_CHUNK_ROWS] @ dequantize(rows, qtype)
+        part = h[:, i:i + _CPU_GEMM_CHUNK_ROWS] @ dequantize_cpu(rows, qtype)
         out = part if out is None else out.add_(part)
     return out if out is not None else h.new_zeros(h.shape[0], row_elements(qtype, data.shape[1] * data.element_size()))
 

@@ -199,6 +199,31 @@ def test_transposed_k_quant_rows_use_the_twin(qtype):
 
 
 @needs_kernels
+@pytest.mark.parametrize("qtype", sorted(kernels.CPU_DEQUANT_TYPES | {Q.F16, Q.BF16}))
+@pytest.mark.parametrize("rows", [1, 5, 67])
+def test_compiled_dequantize_matches_gguf(qtype, rows, threads):
+    """The compiled dequantizer (a long prompt's GEMM slices) gives gguf's numpy values bit for bit,
+    with or without a buffer to write into; a wrong type, a short buffer or a ragged row is refused."""
+    cols = 256 * 3 if GGML_QUANT_SIZES[qtype][0] == 256 else (96 if GGML_QUANT_SIZES[qtype][0] == 32 else 101)
+    w = random_rows(qtype, rows, cols, seed=rows).contiguous()
+    if w.dtype == torch.uint8:
+        want = torch.from_numpy(gguf_quants.dequantize(w.numpy(), qtype).astype(np.float32)).reshape(rows, -1)
+    else:
+        want = w.float()
+    assert torch.equal(kernels.cpu.dequantize(w, int(qtype)), want)
+    buf = torch.full((rows * want.shape[1] + 5,), float("nan"))
+    got = kernels.cpu.dequantize(w, int(qtype), buf)
+    assert got.data_ptr() == buf.data_ptr() and torch.equal(got, want)
+    with pytest.raises(RuntimeError, match="at least"):
+        kernels.cpu.dequantize(w, int(qtype), torch.empty(rows * want.shape[1] - 1))
+    with pytest.raises(RuntimeError, match="not supported"):
+        kernels.cpu.dequantize(w, int(Q.Q4_1))
+    if w.dtype == torch.uint8 and rows > 1:
+        with pytest.raises(RuntimeError, match="whole number of blocks"):
+            kernels.cpu.dequantize(w[:, :-1].contiguous(), int(qtype))
+
+
+@needs_kernels
 @pytest.mark.parametrize("qtype", [Q.F16, Q.BF16, Q.Q4_0, Q.Q8_0, Q.Q4_K, Q.Q6_K])
 def test_many_token_cpu_gemm_matches_twin(qtype, threads):
     """From CPU_GEMM_TOKENS tokens on, `matmul` dequantizes slices of rows for torch's GEMM: same result
