@@ -270,8 +270,12 @@ class HybridFFN:
             mask = self.active(x)
         if self.n_cold and x.is_cuda and x.shape[0] == 1 and self._host_nodes():
             return self._decode_host_node(x, mask)
-        cold_in, pairs = None, None
-        if self.n_cold:
+        cold_in, pairs, cold_idx = None, None, None
+        if self.n_cold and mask is not None and dev.type == "cpu" and x.shape[0] == 1 and kernels.cpu is not None:
+            # one token on the CPU: the active cold ids straight from the layer's mask, in one pass
+            cold_idx = kernels.cpu.select_ids(mask[0].contiguous(), self.cold_ids)
+            cold_in = (x.float().contiguous(), None)
+        elif self.n_cold:
             cold_mask = mask if (mask is None or not self.n_hot) else \
                 mask.index_select(1, self._ids(self._cold_on, dev))  # every neuron is cold: as it is
             stream, pairs = self._stream_wins(x, cold_mask)
@@ -284,7 +288,7 @@ class HybridFFN:
             if y is not None and y.device != dev:  # x on the CPU: the GPU's part comes back while the
                 y = self._from_fast(y, dev)        # CPU computes the cold part (collected below)
         if cold_in is not None:
-            yc = self._cold(*cold_in, pairs=pairs)
+            yc = self._cold(*cold_in, pairs=pairs, idx=cold_idx)
         if callable(y):
             with _timed("wait for GPU"):
                 y = y()
@@ -395,7 +399,7 @@ class HybridFFN:
         """The active hot neurons' output on the fast device (xf is there), None without hot neurons."""
         if not self.n_hot:
             return None
-        mh = None if mask is None else mask.to(self.fast).index_select(1, self._ids(self._hot_on, self.fast))
+        mh = None if mask is None else self._to_fast(mask).index_select(1, self._ids(self._hot_on, self.fast))
         return self._hot(xf, mh)
 
     def _plus_down_bias(self, y: torch.Tensor) -> torch.Tensor:
@@ -480,12 +484,13 @@ class HybridFFN:
         return ACTIVATIONS[self.spec.activation](u) if g is None else gated_act(g, u, self.spec)
 
     def _to_fast(self, x: torch.Tensor) -> torch.Tensor:
-        """x on the fast device; one token from the CPU through a pinned buffer, without waiting for the copy."""
+        """x (or a mask) on the fast device; one token's from the CPU through a pinned buffer, without
+        waiting for the copy (a pageable copy waits)."""
         if self.fast is None or self.fast.type != "cuda" or x.device.type != "cpu" or x.shape[0] != 1:
             return x.to(self.fast) if self.fast is not None else x
-        key = ("in", tuple(x.shape))
+        key = ("in", x.dtype, tuple(x.shape))
         if key not in self._pinned:
-            self._pinned[key] = (_pinned(x.shape, torch.float32), None)
+            self._pinned[key] = (_pinned(x.shape, x.dtype), None)
         xh = self._pinned[key][0]
         xh.copy_(x)
         return xh.to(self.fast, non_blocking=True)
@@ -508,20 +513,28 @@ class HybridFFN:
             return yh.clone()
         return collect
 
-    def _cold(self, x: torch.Tensor, cold_mask: torch.Tensor | None, event=None, pairs: int | None = None):
+    def _cold(self, x: torch.Tensor, cold_mask: torch.Tensor | None, event=None, pairs: int | None = None,
+              idx: torch.Tensor | None = None):
         if event is not None:
             with _timed("wait for GPU"):
                 event.synchronize()
         with _timed("CPU FFN"):
             t0 = time.perf_counter()
-            y = self._cold_compute(x, cold_mask)
+            y = self._cold_compute(x, cold_mask, idx)
             if pairs is not None:  # the CPU's side of the streaming decision, as measured
                 _measured("cpu", time.perf_counter() - t0, pairs * self._neuron_bytes)
             return y
 
-    def _cold_compute(self, x: torch.Tensor, cold_mask: torch.Tensor | None) -> torch.Tensor | None:
+    def _cold_compute(self, x: torch.Tensor, cold_mask: torch.Tensor | None,
+                      idx: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The active cold neurons' output on the CPU: those of cold_mask (None: every cold neuron), or
+        the one token's active cold ids `idx` when the caller picked them."""
         w, spec = self.full, self.spec
-        if cold_mask is None:
+        if idx is not None:
+            tok = None
+            if idx.numel() == 0:
+                return None
+        elif cold_mask is None:
             idx, tok = self.cold_ids, None
         else:
             union = cold_mask[0] if cold_mask.shape[0] == 1 else cold_mask.any(0)

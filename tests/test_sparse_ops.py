@@ -458,3 +458,17 @@ def test_a_killed_builds_lock_is_cleared_and_a_live_one_kept(tmp_path, capsys):
         os.utime(p, (old, old))
     assert _clear_stale_lock(tmp_path) and not lock.exists()
     assert "did not finish" in capsys.readouterr().err
+
+
+def test_select_ids_picks_the_active_cold_neurons():
+    """select_ids (a CPU layer's active cold neurons from its whole mask) keeps ids' order, and refuses
+    an id outside the mask or a mask of the wrong type."""
+    g = torch.Generator().manual_seed(3)
+    mask = torch.rand(1000, generator=g) < 0.3
+    ids = torch.randperm(1000, generator=g)[:700].int()
+    assert torch.equal(kernels.cpu.select_ids(mask, ids), ids[mask[ids.long()]])
+    assert kernels.cpu.select_ids(torch.zeros(1000, dtype=torch.bool), ids).numel() == 0
+    with pytest.raises(RuntimeError, match="out of range"):
+        kernels.cpu.select_ids(mask, torch.tensor([5, 1000], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="bool"):
+        kernels.cpu.select_ids(mask.float(), ids)
