@@ -775,11 +775,11 @@ def _scenario(args) -> int:
     each thread count, remove the model unless --keep."""
     from .synth import synth_path, write_synth
     sc = SCENARIOS[args.name]
-    path = synth_path(Path(args.model_dir), sc["model"], sc["dtype"], "powerinfer")
+    path = synth_path(Path(args.model_dir), sc["model"], sc["dtype"], "powerinfer", args.predictor_type)
     made = not path.exists()
     if made:
         t0 = time.perf_counter()
-        write_synth(args.model_dir, sc["model"], sc["dtype"], "powerinfer")
+        write_synth(args.model_dir, sc["model"], sc["dtype"], "powerinfer", predictor_type=args.predictor_type)
         print(f"hs-bench: wrote {path} ({path.stat().st_size / 2**30:.1f} GiB) in {time.perf_counter() - t0:.0f} s",
               file=sys.stderr)
     try:
@@ -875,6 +875,9 @@ def build_parser() -> argparse.ArgumentParser:
     scen.add_argument("-o", "--model-dir", default="/dev/shm", help="where the model is written (default: %(default)s)")
     scen.add_argument("--json", help="result file (default: scenario-NAME.json; one per thread count for S5)")
     scen.add_argument("--keep", action="store_true", help="keep the model file afterwards (default: removed)")
+    scen.add_argument("--predictor-type", choices=["f16", "q8_0", "q4_0"], default="f16",
+                      help="the synthetic model's predictors' stored type (default: %(default)s, as PowerInfer "
+                           "keeps them; the file name says when it is not f16)")
     scen.add_argument("-n", "--n-predict", type=int, help="generated tokens (default: the scenario's)")
     scen.add_argument("--reps", type=int, default=1)
     scen.add_argument("--timeout", type=float, default=540, help="seconds per configuration")

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType as Q
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 
 from .errors import InputError
 
@@ -78,6 +78,7 @@ MODELS = {
 }
 ALIASES = {"llama-7b": "relu-llama-2-7b", "llama-13b": "relu-llama-2-13b", "llama-70b": "relu-llama-2-70b"}
 DTYPES = {"f16": Q.F16, "f32": Q.F32, "q4_0": Q.Q4_0, "q8_0": Q.Q8_0}
+PREDICTOR_DTYPES = {"f16": Q.F16, "q8_0": Q.Q8_0, "q4_0": Q.Q4_0}  # the types the runtime computes them in
 N_CTX = 4096
 
 
@@ -88,9 +89,11 @@ def resolve(name: str) -> tuple[str, SynthShape]:
     return name, MODELS[name]
 
 
-def synth_path(out_dir: Path, name: str, dtype: str, layout: str) -> Path:
+def synth_path(out_dir: Path, name: str, dtype: str, layout: str, predictor_type: str = "f16") -> Path:
+    """The file name says the shape, type and layout, and the predictors' type unless float16."""
     name = ALIASES.get(name, name)
-    return Path(out_dir) / f"{name}-{dtype}{'-powerinfer' if layout == 'powerinfer' else ''}.gguf"
+    pred = "" if predictor_type == "f16" else f"-pred-{predictor_type}"
+    return Path(out_dir) / f"{name}-{dtype}{'-powerinfer' if layout == 'powerinfer' else ''}{pred}.gguf"
 
 
 # --- planted statistics ----------------------------------------------------------------------------
@@ -173,7 +176,6 @@ class _Pool:
         if self.qtype in (Q.F16, Q.F32):
             out[:, 0] = col0
             return out
-        from gguf import GGML_QUANT_SIZES
         block, nbytes = GGML_QUANT_SIZES[self.qtype]
         first = np.tile(self.floats[:, :block], (-(-n // self.n), 1))[:n].copy()
         first[:, 0] = col0
@@ -217,6 +219,14 @@ def _store(arr: np.ndarray, qtype: Q) -> np.ndarray:
     return quants.quantize(np.ascontiguousarray(arr, dtype=np.float32), qtype)
 
 
+def _pad_rows(arr: np.ndarray, n: int) -> np.ndarray:
+    return arr if len(arr) == n else np.vstack([arr, np.zeros((n - len(arr), arr.shape[1]), arr.dtype)])
+
+
+def _pad_cols(arr: np.ndarray, n: int) -> np.ndarray:
+    return arr if arr.shape[1] == n else np.hstack([arr, np.zeros((len(arr), n - arr.shape[1]), arr.dtype)])
+
+
 def _zero_row0(arr: np.ndarray) -> np.ndarray:
     arr[0] = 0  # zero bytes are zeros in every type (a zero scale for the block formats)
     return arr
@@ -224,10 +234,11 @@ def _zero_row0(arr: np.ndarray) -> np.ndarray:
 
 def write_synth(out_dir: str | Path, name: str, dtype: str = "f16", layout: str = "llama.cpp",
                 density: float | None = None, hot_share: float | None = None, predictor_width: int = 512,
-                seed: int = 0) -> Path:
+                seed: int = 0, predictor_type: str = "f16") -> Path:
     """Write the model, its activation profile (`<model>.hs-profile`, PowerInfer's activation/ layout
     inside) and its predictors (in the file for PowerInfer's layout, `<model>.predictors.gguf` beside
-    it otherwise). Returns the model's path."""
+    it otherwise; `predictor_type` f16, q8_0 or q4_0, the block formats with the width padded to whole
+    blocks by zero units). Returns the model's path."""
     from hybridsparse.predictor_training.train import write_predictor_file
     from hybridsparse.profiler.activations import save_profile
     from .convert import byte_level_vocab
@@ -241,11 +252,14 @@ def write_synth(out_dir: str | Path, name: str, dtype: str = "f16", layout: str 
     density = s.density if density is None else density
     hot_share = s.hot_share if hot_share is None else hot_share
     check_statistics(density, hot_share)
+    if predictor_type not in PREDICTOR_DTYPES:
+        raise InputError(f"unknown predictor type {predictor_type!r} (expected one of {', '.join(PREDICTOR_DTYPES)})")
+    pq = PREDICTOR_DTYPES[predictor_type]
     qtype = DTYPES[dtype]
     big = Q.Q8_0 if qtype == Q.Q4_0 else qtype  # the output head: llama.cpp keeps it at higher precision
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = synth_path(out_dir, name, dtype, layout)
+    path = synth_path(out_dir, name, dtype, layout, predictor_type)
     rng = np.random.default_rng(seed)
     freqs = layer_statistics(s, density, hot_share, seed + 1)
     d, ff, hd = s.d, s.ff, s.d // s.heads
@@ -301,6 +315,8 @@ def write_synth(out_dir: str | Path, name: str, dtype: str = "f16", layout: str 
         tensors.append(T("output.weight", (s.vocab, d), big, lambda: pools["head"].tile(s.vocab)))
     predictors = []  # made when written, like the weights, in the file (PowerInfer) or beside it
     width = pools["w_in"].predictor_width
+    block = GGML_QUANT_SIZES[pq][0]
+    pwidth = -(-width // block) * block  # fc2's rows in whole blocks: extra units with zero weights
     for i in range(s.layers):
         p = f"blk.{i}."
         if s.arch == "llama":
@@ -334,9 +350,9 @@ def write_synth(out_dir: str | Path, name: str, dtype: str = "f16", layout: str 
             tensors.append(T(p + "ffn_down.weight", (d, ff), qtype, lambda: _zero_row0(pools["down"].tile(d))))
         if s.arch == "opt":
             tensors.append(T(p + ("ffn_down_t.bias" if pi else "ffn_down.bias"), (d,), Q.F32, zeros))
-        predictors += [T(p + "fc1.weight", (width, d), Q.F16, lambda: pools["w_in"].fc1().astype(np.float16)),
-                       T(p + "fc2.weight", (ff, width), Q.F16,
-                         lambda i=i: pools["w_in"].fc2(col0(i)).astype(np.float16))]
+        predictors += [T(p + "fc1.weight", (pwidth, d), pq, lambda: _store(_pad_rows(pools["w_in"].fc1(), pwidth), pq)),
+                       T(p + "fc2.weight", (ff, pwidth), pq,
+                         lambda i=i: _store(_pad_cols(pools["w_in"].fc2(col0(i)), pwidth), pq))]
     if pi:
         tensors += predictors
 
@@ -381,13 +397,16 @@ def add_parser(sub) -> None:
     p.add_argument("--density", type=float, help="mean share of active neurons per token (default: the model's)")
     p.add_argument("--hot-share", type=float, help="share of neurons carrying 80%% of the activations (default: the model's)")
     p.add_argument("--predictor-width", type=int, default=512)
+    p.add_argument("--predictor-type", choices=sorted(PREDICTOR_DTYPES), default="f16",
+                   help="the predictors' stored type (q8_0 / q4_0: a half / a quarter of the bytes per token; "
+                        "default: %(default)s, as PowerInfer keeps them)")
     p.add_argument("--verbose", action="store_true")
     p.set_defaults(func=_synth)
 
 
 def _synth(args) -> int:
     path = write_synth(args.output, args.shape, args.dtype, args.layout, args.density, args.hot_share,
-                       args.predictor_width)
+                       args.predictor_width, predictor_type=args.predictor_type)
     s = resolve(args.shape)[1]
     print(f"{s.arch} d={s.d} ff={s.ff} layers={s.layers}; planted {args.density or s.density:.0%} active per token, "
           f"80% of activations in {args.hot_share or s.hot_share:.0%} of neurons ({s.source})", file=sys.stderr)
