@@ -56,10 +56,11 @@ def _slice_rows(data: torch.Tensor, qtype: Q) -> int:
 HOST_NODES = os.environ.get("HS_HOST_NODES", "1") != "0"
 # Prefill on the CPU: from this many tokens per call, a slice of rows dequantized to float32 (compiled,
 # csrc/dequant.cpp) and torch's GEMM beat the compiled per-row dot products (the dequantization is paid
-# once for all the tokens). Gemma 3 270M Q4_K_M, 2 threads of the dev VM, in-process best of 5: 32 / 48
-# / 64 tokens 352 / 447 / 500 tok/s this way against 382 / 410 / 411 with the per-row kernels; with
-# the torch twin dequantizing, the crossover was past 128.
-CPU_GEMM_TOKENS = int(os.environ.get("HS_CPU_GEMM_TOKENS", "64"))
+# once for all the tokens). Gemma 3 270M Q4_K_M, 2 threads of the dev VM: alone in a process, a
+# 64-token prompt ran at 409-514 tok/s this way against 376-411 with the per-row kernels; alternating
+# with llama.cpp in one process (`hs-bench run --llama-cpp`, 128 generated tokens) at 239-276 against
+# 350-385 (torch's GEMM suffers more from the other library's threads), so the switch stays at 128.
+CPU_GEMM_TOKENS = int(os.environ.get("HS_CPU_GEMM_TOKENS", "128"))
 _CPU_GEMM_CHUNK_ROWS = 1024
 # The sparse row-dot / axpy over listed rows (a hybrid model's cold neurons during a long prefill or a
 # big server batch) switch to gathered slices and GEMM later: the per-row kernels win up to ~384 tokens
