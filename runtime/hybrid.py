@@ -284,7 +284,7 @@ class HybridFFN:
             with _timed("send to CPU"):
                 cold_in = self._send_to_cpu(x, cold_mask)
         with _timed("hot launch"):
-            y = self._hot_part(self._to_fast(x), mask)
+            y = self._hot_part(x, mask)
             if y is not None and y.device != dev:  # x on the CPU: the GPU's part comes back while the
                 y = self._from_fast(y, dev)        # CPU computes the cold part (collected below)
         if cold_in is not None:
@@ -395,12 +395,13 @@ class HybridFFN:
         main.wait_stream(side)
         return self._plus_down_bias(t["yd"] + (0 if y is None else y))
 
-    def _hot_part(self, xf: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor | None:
-        """The active hot neurons' output on the fast device (xf is there), None without hot neurons."""
+    def _hot_part(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor | None:
+        """The active hot neurons' output on the fast device (x and the mask are sent there if they are
+        not), None without hot neurons (then nothing is sent)."""
         if not self.n_hot:
             return None
         mh = None if mask is None else self._to_fast(mask).index_select(1, self._ids(self._hot_on, self.fast))
-        return self._hot(xf, mh)
+        return self._hot(self._to_fast(x), mh)
 
     def _plus_down_bias(self, y: torch.Tensor) -> torch.Tensor:
         """y plus the down projection's bias, if any, copied once to y's device (a copy from pageable
