@@ -74,7 +74,7 @@ def _reference(w, qtype, x):
 
 @needs_kernels
 @pytest.mark.parametrize("qtype", KERNEL_TYPES)
-@pytest.mark.parametrize("tokens", [1, 3, 6, 11])
+@pytest.mark.parametrize("tokens", [1, 2, 3, 4, 6, 13, 15])  # token tiles of 8: every tile size and a remainder
 @pytest.mark.parametrize("n_threads", [1, 2])
 def test_qmatmul_matches_twin(qtype, tokens, n_threads, threads):
     torch.set_num_threads(n_threads)
