@@ -688,8 +688,8 @@ HS_AVX512 static inline void dot_q8_0_tokens_vnni(const void* row, const ActQ8* 
 // dot per block as dot_q45_0_rows_vnni, half the vector instructions per block. On Intel cores, whose
 // 512-bit units are native, the 256-bit loop is bound by ports 0 and 1 (~4 ns a block on the H200
 // machine's Xeon, 4.5 GiB/s of Q4_0 a core); on Zen 4 (double-pumped 512-bit) it measured slower.
-// Chosen by q4_512() below (opt-in for now). Accumulation order differs from the 256-bit loop (even and odd blocks in
-// separate halves), so results agree to float rounding, not bit for bit.
+// Chosen by q4_512() below (opt-in for now). Accumulation order differs from the 256-bit loop (even
+// and odd blocks in separate halves), so results agree to float rounding, not bit for bit.
 template <int R>
 HS_AVX512 static inline void dot_q4_0_rows_vnni512(const void* const* rows, const ActQ8* a, int64_t nb, float* out) {
   static_assert(PLANE_SHIFT == 128, "dot2_vnni shifts by 7");

@@ -38,9 +38,8 @@ void dequant_q45_k(const B* x, int64_t nb, float* y) {
       for (int l = 0; l < 32; ++l) {
         int lo = q[l] & 0xF, hi = q[l] >> 4;
         if constexpr (FIVE_BIT) {
-          const uint8_t* qh = reinterpret_cast<const BlockQ5_K*>(x + i)->qh;
-          lo += ((qh[l] >> shift) & 1) << 4;
-          hi += ((qh[l] >> (shift + 1)) & 1) << 4;
+          lo += ((x[i].qh[l] >> shift) & 1) << 4;
+          hi += ((x[i].qh[l] >> (shift + 1)) & 1) << 4;
         }
         y[l] = d1 * lo - m1;
         y[l + 32] = d2 * hi - m2;
@@ -75,7 +74,9 @@ void dequant_q6_k(const BlockQ6_K* x, int64_t nb, float* y) {
 
 }  // namespace
 
-bool dequant_supported(int64_t qtype) {
+constexpr const char* kDequantTypes = "(use F16, BF16, Q4_0, Q5_0, Q8_0, Q4_K, Q5_K or Q6_K)";
+
+static bool dequant_supported(int64_t qtype) {
   switch (qtype) {
     case F16: case BF16: case Q4_0: case Q5_0: case Q8_0: case Q4_K: case Q5_K: case Q6_K: return true;
     default: return false;
@@ -142,8 +143,7 @@ HS_CLONES void dequant_row(const uint8_t* row, int64_t qtype, int64_t K, float* 
       dequant_q6_k(reinterpret_cast<const BlockQ6_K*>(row), K / QK_K, out);
       return;
     default:
-      TORCH_CHECK(false, "dequantize: weight type id ", qtype, " is not supported (use F16, BF16, Q4_0, Q5_0, "
-                  "Q8_0, Q4_K, Q5_K or Q6_K)");
+      TORCH_CHECK(false, "dequantize: weight type id ", qtype, " is not supported ", kDequantTypes);
   }
 }
 
@@ -152,8 +152,7 @@ HS_CLONES void dequant_row(const uint8_t* row, int64_t qtype, int64_t K, float* 
 // one of a few MB is an mmap whose page faults cost as much as the dequantization)
 at::Tensor dequantize_rows_cpu(const at::Tensor& w, int64_t qtype, const c10::optional<at::Tensor>& out_buf) {
   TORCH_CHECK(w.device().is_cpu() && w.dim() == 2, "dequantize: w must be a 2-D CPU tensor");
-  TORCH_CHECK(dequant_supported(qtype), "dequantize: weight type id ", qtype, " is not supported (use F16, BF16, "
-              "Q4_0, Q5_0, Q8_0, Q4_K, Q5_K or Q6_K)");
+  TORCH_CHECK(dequant_supported(qtype), "dequantize: weight type id ", qtype, " is not supported ", kDequantTypes);
   const int64_t bb = block_bytes(qtype), be = block_elems(qtype);
   const int64_t row_bytes = w.size(1) * w.element_size();
   TORCH_CHECK(row_bytes % bb == 0, "dequantize: a row of ", row_bytes, " bytes is not a whole number of blocks of ",

@@ -274,7 +274,7 @@ class HybridFFN:
         if self.n_cold and mask is not None and dev.type == "cpu" and x.shape[0] == 1 and kernels.cpu is not None:
             # one token on the CPU: the active cold ids straight from the layer's mask, in one pass
             cold_idx = kernels.cpu.select_ids(mask[0].contiguous(), self.cold_ids)
-            cold_in = (x.float().contiguous(), None)
+            cold_in = self._send_to_cpu(x, None)
         elif self.n_cold:
             cold_mask = mask if (mask is None or not self.n_hot) else \
                 mask.index_select(1, self._ids(self._cold_on, dev))  # every neuron is cold: as it is

@@ -42,7 +42,7 @@ CUDA_GEMV = os.environ.get("HS_CUDA_GEMV", "ours")
 # Block-format weights go through cuBLAS / torch a slice of rows at a time, dequantized to float32:
 # at most this many bytes of it per slice. Rows of 8192 elements 8192 at a time (as before) made
 # ~1 GiB of temporaries on the GPU during a 70B prefill (the S2 plan's peak went over its budget);
-# the solver counts this much for them (solver.plan.DEQUANT_BYTES).
+# a few such slices fit in what the solver sets aside for activations (solver.plan.Problem).
 DEQUANT_SLICE_BYTES = 32 << 20
 
 
@@ -50,6 +50,8 @@ def _slice_rows(data: torch.Tensor, qtype: Q) -> int:
     """Rows per dequantized slice of `data` (uint8 [rows, row_bytes] or a float tensor)."""
     elems = data.shape[1] if qtype in FLOAT_TYPES else row_elements(qtype, data.shape[1])
     return max(1, DEQUANT_SLICE_BYTES // (4 * max(1, elems)))
+
+
 # Hybrid decode on CUDA: each layer's cold FFN runs as a host node of the stream (csrc/cold_ffn.cpp),
 # so a step is queued (or replayed as a CUDA graph) without the Python thread waiting per layer.
 # HS_HOST_NODES=0 uses the event-synchronised path instead, for side-by-side benchmarks.
