@@ -21,6 +21,7 @@
 #include <tuple>
 #include <vector>
 
+#include "check.h"
 #include "pool.h"
 
 #ifdef HS_WITH_CUDA
@@ -124,7 +125,7 @@ void run(ColdFFN* c) {
 }
 
 ColdFFN* get(int64_t handle) {
-  TORCH_CHECK(handle != 0, "cold_ffn: null handle");
+  HS_CHECK(handle != 0, "cold_ffn: null handle");
   return reinterpret_cast<ColdFFN*>(handle);
 }
 
@@ -134,19 +135,19 @@ int64_t cold_ffn_new(const at::Tensor& x, const at::Tensor& mask, const at::Tens
                      const at::Tensor& up, int64_t up_type, const c10::optional<at::Tensor>& gate, int64_t gate_type,
                      const at::Tensor& down_t, int64_t down_type, const c10::optional<at::Tensor>& up_bias,
                      int64_t act, bool act_on_up) {
-  TORCH_CHECK(x.dim() == 2 && x.size(0) == 1 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.is_cpu(),
-              "cold_ffn: x must be a contiguous float32 [1, d_model] CPU tensor");
-  TORCH_CHECK(y.sizes() == x.sizes() && y.scalar_type() == at::kFloat && y.is_contiguous() && y.is_cpu(),
-              "cold_ffn: y must be a contiguous float32 [1, d_model] CPU tensor");
-  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kInt && ids.is_contiguous() && ids.is_cpu(),
-              "cold_ffn: ids must be a contiguous int32 CPU vector");
-  TORCH_CHECK(mask.scalar_type() == at::kBool && mask.is_contiguous() && mask.numel() == ids.numel() && mask.is_cpu(),
-              "cold_ffn: mask must be a contiguous bool CPU tensor with one entry per id");
+  HS_CHECK(x.dim() == 2 && x.size(0) == 1 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.is_cpu(),
+           "cold_ffn: x must be a contiguous float32 [1, d_model] CPU tensor");
+  HS_CHECK(y.sizes() == x.sizes() && y.scalar_type() == at::kFloat && y.is_contiguous() && y.is_cpu(),
+           "cold_ffn: y must be a contiguous float32 [1, d_model] CPU tensor");
+  HS_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kInt && ids.is_contiguous() && ids.is_cpu(),
+           "cold_ffn: ids must be a contiguous int32 CPU vector");
+  HS_CHECK(mask.scalar_type() == at::kBool && mask.is_contiguous() && mask.numel() == ids.numel() && mask.is_cpu(),
+           "cold_ffn: mask must be a contiguous bool CPU tensor with one entry per id");
   const int64_t n_ff = up.size(0);
   if (ids.numel()) {
     const auto mm = at::aminmax(ids);
-    TORCH_CHECK(std::get<0>(mm).item<int32_t>() >= 0 && std::get<1>(mm).item<int32_t>() < n_ff,
-                "cold_ffn: ids must lie in [0, ", n_ff, ")");
+    HS_CHECK(std::get<0>(mm).item<int32_t>() >= 0 && std::get<1>(mm).item<int32_t>() < n_ff,
+             "cold_ffn: ids must lie in [0, ", n_ff, ")");
   }
   // every weight check of the fused FFN, now (an empty index set): the task itself must not throw,
   // since it runs where an exception cannot go (the driver's callback thread)
@@ -163,10 +164,10 @@ void cold_ffn_run(int64_t handle) { run(get(handle)); }
 // x is on the CPU picks its active cold neurons in one pass (torch's index_select and boolean
 // indexing took ~150 us for 28672 neurons).
 at::Tensor select_ids(const at::Tensor& mask, const at::Tensor& ids) {
-  TORCH_CHECK(mask.device().is_cpu() && mask.scalar_type() == at::kBool && mask.dim() == 1 && mask.is_contiguous(),
-              "select_ids: mask must be a contiguous 1-D bool CPU tensor");
-  TORCH_CHECK(ids.device().is_cpu() && ids.scalar_type() == at::kInt && ids.dim() == 1 && ids.is_contiguous(),
-              "select_ids: ids must be a contiguous 1-D int32 CPU tensor");
+  HS_CHECK(mask.device().is_cpu() && mask.scalar_type() == at::kBool && mask.dim() == 1 && mask.is_contiguous(),
+           "select_ids: mask must be a contiguous 1-D bool CPU tensor");
+  HS_CHECK(ids.device().is_cpu() && ids.scalar_type() == at::kInt && ids.dim() == 1 && ids.is_contiguous(),
+           "select_ids: ids must be a contiguous 1-D int32 CPU tensor");
   const int64_t n = mask.numel(), m = ids.numel();
   const bool* mp = mask.data_ptr<bool>();
   const int32_t* ip = ids.data_ptr<int32_t>();
@@ -175,14 +176,14 @@ at::Tensor select_ids(const at::Tensor& mask, const at::Tensor& ids) {
   int64_t k = 0;
   for (int64_t i = 0; i < m; ++i) {
     const int32_t id = ip[i];
-    TORCH_CHECK(id >= 0 && id < n, "select_ids: id ", id, " out of range for a mask of ", n);
+    HS_CHECK(id >= 0 && id < n, "select_ids: id ", id, " out of range for a mask of ", n);
     if (mp[id]) op[k++] = id;
   }
   return out.narrow(0, 0, k);
 }
 
 void cold_ffn_set_threads(int64_t n) {
-  TORCH_CHECK(n >= 1 && n <= 1024, "cold_ffn_set_threads: expected 1..1024 threads, got ", n);
+  HS_CHECK(n >= 1 && n <= 1024, "cold_ffn_set_threads: expected 1..1024 threads, got ", n);
   task_threads = static_cast<int>(n);
 }
 
@@ -209,7 +210,7 @@ void cold_ffn_enqueue(int64_t handle) {
   C10_CUDA_CHECK(cudaLaunchHostFunc(c10::cuda::getCurrentCUDAStream(), host_node, get(handle)));
 }
 #else
-void cold_ffn_enqueue(int64_t) { TORCH_CHECK(false, "cold_ffn_enqueue: built without CUDA"); }
+void cold_ffn_enqueue(int64_t) { HS_CHECK(false, "cold_ffn_enqueue: built without CUDA"); }
 #endif
 
 }  // namespace hs

@@ -12,18 +12,19 @@
 #include <limits>
 #include <vector>
 
+#include "check.h"
 #include "cpu_dot.h"
 
 namespace hs {
 
 void rope_cpu(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, bool neox) {
-  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat && x.is_contiguous(),
-              "rope_: x must be a contiguous float32 [tokens, heads, head_dim] tensor");
-  TORCH_CHECK(cos.dim() == 2 && sin.sizes() == cos.sizes() && cos.size(0) == x.size(0) &&
-              cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
-              "rope_: cos/sin must be float32 [tokens, rot_dim / 2]");
+  HS_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+           "rope_: x must be a contiguous float32 [tokens, heads, head_dim] tensor");
+  HS_CHECK(cos.dim() == 2 && sin.sizes() == cos.sizes() && cos.size(0) == x.size(0) &&
+           cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
+           "rope_: cos/sin must be float32 [tokens, rot_dim / 2]");
   const int64_t T = x.size(0), H = x.size(1), D = x.size(2), half = cos.size(1);
-  TORCH_CHECK(2 * half <= D, "rope_: rotary dimension ", 2 * half, " exceeds head_dim ", D);
+  HS_CHECK(2 * half <= D, "rope_: rotary dimension ", 2 * half, " exceeds head_dim ", D);
   auto cc = cos.contiguous(), ss = sin.contiguous();
   float* xp = x.data_ptr<float>();
   const float* cp = cc.data_ptr<float>();
@@ -47,22 +48,22 @@ void rope_cpu(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, bool n
 at::Tensor attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache,
                          at::Tensor v_cache, const at::Tensor& positions, int64_t kv_len, int64_t window,
                          double scale) {
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes(), "attention: q [T,Hq,D], k/v [T,Hkv,D]");
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat &&
-              k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat,
-              "attention: float32 tensors and cache expected");
+  HS_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes(), "attention: q [T,Hq,D], k/v [T,Hkv,D]");
+  HS_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat &&
+           k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat,
+           "attention: float32 tensors and cache expected");
   const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = k.size(1);
-  TORCH_CHECK(k.size(0) == T && k.size(2) == D && Hkv > 0 && Hq % Hkv == 0, "attention: head shapes disagree");
-  TORCH_CHECK(k_cache.dim() == 3 && k_cache.size(0) == Hkv && k_cache.size(2) == D && k_cache.is_contiguous() &&
-              v_cache.sizes() == k_cache.sizes() && v_cache.is_contiguous(), "attention: cache must be [Hkv, n_ctx, D]");
+  HS_CHECK(k.size(0) == T && k.size(2) == D && Hkv > 0 && Hq % Hkv == 0, "attention: head shapes disagree");
+  HS_CHECK(k_cache.dim() == 3 && k_cache.size(0) == Hkv && k_cache.size(2) == D && k_cache.is_contiguous() &&
+           v_cache.sizes() == k_cache.sizes() && v_cache.is_contiguous(), "attention: cache must be [Hkv, n_ctx, D]");
   const int64_t n_ctx = k_cache.size(1);
-  TORCH_CHECK(positions.dim() == 1 && positions.size(0) == T && positions.scalar_type() == at::kLong,
-              "attention: positions must be int64 [T]");
-  TORCH_CHECK(kv_len >= 0 && kv_len <= n_ctx, "attention: kv_len ", kv_len, " outside the cache of ", n_ctx);
+  HS_CHECK(positions.dim() == 1 && positions.size(0) == T && positions.scalar_type() == at::kLong,
+           "attention: positions must be int64 [T]");
+  HS_CHECK(kv_len >= 0 && kv_len <= n_ctx, "attention: kv_len ", kv_len, " outside the cache of ", n_ctx);
   auto qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous(), pc = positions.contiguous();
   const int64_t* pos = pc.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t)
-    TORCH_CHECK(pos[t] >= 0 && pos[t] < n_ctx, "attention: position ", pos[t], " outside the cache of ", n_ctx);
+    HS_CHECK(pos[t] >= 0 && pos[t] < n_ctx, "attention: position ", pos[t], " outside the cache of ", n_ctx);
   float* kcp = k_cache.data_ptr<float>();
   float* vcp = v_cache.data_ptr<float>();
   for (int64_t t = 0; t < T; ++t)
@@ -103,9 +104,9 @@ at::Tensor attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Ten
 // act: 0 silu, 1 relu, 2 gelu (tanh approximation), 3 gelu (erf); act_on_up: dReLU-style. ATen's
 // vectorized activations, called from C++: one dispatch from Python instead of two or three.
 at::Tensor gated_act_cpu(const at::Tensor& gate, const at::Tensor& up, int64_t act, bool act_on_up) {
-  TORCH_CHECK(gate.sizes() == up.sizes() && gate.scalar_type() == at::kFloat && up.scalar_type() == at::kFloat,
-              "gated_act: gate and up must be float32 of one shape");
-  TORCH_CHECK(act >= 0 && act <= 3, "gated_act: unknown activation id ", act);
+  HS_CHECK(gate.sizes() == up.sizes() && gate.scalar_type() == at::kFloat && up.scalar_type() == at::kFloat,
+           "gated_act: gate and up must be float32 of one shape");
+  HS_CHECK(act >= 0 && act <= 3, "gated_act: unknown activation id ", act);
   auto f = [act](const at::Tensor& x) {
     switch (act) {
       case 0: return at::silu(x);

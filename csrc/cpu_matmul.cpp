@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "check.h"
 #include "cpu_dot.h"
 #include "pool.h"
 
@@ -22,19 +23,19 @@ namespace hs {
 namespace {
 
 void check_weight(const at::Tensor& w, int64_t qtype, int64_t K, const char* op) {
-  TORCH_CHECK(w.device().is_cpu(), op, ": weight must be on the CPU");
-  TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), op, ": weight must be a contiguous 2-D tensor");
+  HS_CHECK(w.device().is_cpu(), op, ": weight must be on the CPU");
+  HS_CHECK(w.dim() == 2 && w.is_contiguous(), op, ": weight must be a contiguous 2-D tensor");
   const int be = block_elems(qtype), bb = block_bytes(qtype);
-  TORCH_CHECK(bb > 0 && qtype != F32, op, ": unsupported weight type id ", qtype);
+  HS_CHECK(bb > 0 && qtype != F32, op, ": unsupported weight type id ", qtype);
   if (qtype == F16 || qtype == BF16) {
-    TORCH_CHECK(w.scalar_type() == (qtype == F16 ? at::kHalf : at::kBFloat16) || w.scalar_type() == at::kByte,
-                op, ": weight dtype ", w.scalar_type(), " does not match type id ", qtype);
+    HS_CHECK(w.scalar_type() == (qtype == F16 ? at::kHalf : at::kBFloat16) || w.scalar_type() == at::kByte,
+             op, ": weight dtype ", w.scalar_type(), " does not match type id ", qtype);
   } else {
-    TORCH_CHECK(w.scalar_type() == at::kByte, op, ": block-format weights must be uint8, got ", w.scalar_type());
+    HS_CHECK(w.scalar_type() == at::kByte, op, ": block-format weights must be uint8, got ", w.scalar_type());
   }
-  TORCH_CHECK(K % be == 0, op, ": row length ", K, " is not a multiple of the block size ", be);
-  TORCH_CHECK(w.size(1) * w.element_size() == K / be * bb, op, ": weight row has ", w.size(1) * w.element_size(),
-              " bytes, expected ", K / be * bb, " for ", K, " elements");
+  HS_CHECK(K % be == 0, op, ": row length ", K, " is not a multiple of the block size ", be);
+  HS_CHECK(w.size(1) * w.element_size() == K / be * bb, op, ": weight row has ", w.size(1) * w.element_size(),
+           " bytes, expected ", K / be * bb, " for ", K, " elements");
 }
 
 using DotQ8 = float (*)(const void*, const ActQ8*, int64_t);
@@ -228,11 +229,11 @@ namespace {
 // Checks an optional int32 row-index list against a weight of N rows; returns its length (N if none).
 int64_t check_rows(const c10::optional<at::Tensor>& idx, int64_t N, const char* op) {
   if (!idx.has_value() || !idx->defined()) return N;
-  TORCH_CHECK(idx->dim() == 1 && idx->scalar_type() == at::kInt && idx->is_contiguous() && idx->device().is_cpu(),
-              op, ": index set must be a contiguous int32 CPU vector");
+  HS_CHECK(idx->dim() == 1 && idx->scalar_type() == at::kInt && idx->is_contiguous() && idx->device().is_cpu(),
+           op, ": index set must be a contiguous int32 CPU vector");
   const int32_t* p = idx->data_ptr<int32_t>();
   for (int64_t k = 0; k < idx->numel(); ++k)
-    TORCH_CHECK(p[k] >= 0 && p[k] < N, op, ": index ", p[k], " at position ", k, " is outside the ", N, " rows");
+    HS_CHECK(p[k] >= 0 && p[k] < N, op, ": index ", p[k], " at position ", k, " is outside the ", N, " rows");
   return idx->numel();
 }
 
@@ -256,10 +257,10 @@ DotTokensK pick_tokens_k(int64_t qtype, int nt);
 // per block format, and only the listed rows read.
 std::vector<at::Tensor> qmatmul_rows_cpu(const std::vector<at::Tensor>& ws, const std::vector<int64_t>& qtypes,
                                          const at::Tensor& x, const std::vector<c10::optional<at::Tensor>>& idxs) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
-              "qmatmul: x must be a contiguous float32 [tokens, features] tensor");
-  TORCH_CHECK(ws.size() == qtypes.size() && ws.size() == idxs.size() && !ws.empty(),
-              "qmatmul: one type id and one index set (or None) per weight");
+  HS_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+           "qmatmul: x must be a contiguous float32 [tokens, features] tensor");
+  HS_CHECK(ws.size() == qtypes.size() && ws.size() == idxs.size() && !ws.empty(),
+           "qmatmul: one type id and one index set (or None) per weight");
   const int64_t T = x.size(0), K = x.size(1);
   const float* xp = x.data_ptr<float>();
   std::vector<ActQ8> act32;
@@ -414,8 +415,8 @@ std::string cpu_path() { return cpu_has_avx512() ? "avx512" : cpu_has_avx2() ? "
 // The activation quantization's output as bytes (ActQ8 per 32 values, or ActQ8K per 256 with
 // k_quant), for tests: the vector and scalar paths must agree bit for bit.
 at::Tensor quantize_act_bytes(const at::Tensor& x, bool k_quant) {
-  TORCH_CHECK(x.dim() == 1 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.numel() % (k_quant ? QK_K : QK) == 0,
-              "quantize_act_bytes: x must be a contiguous float32 vector of whole blocks");
+  HS_CHECK(x.dim() == 1 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.numel() % (k_quant ? QK_K : QK) == 0,
+           "quantize_act_bytes: x must be a contiguous float32 vector of whole blocks");
   const int64_t n = x.numel();
   if (k_quant) {
     std::vector<ActQ8K> a(n / QK_K);
@@ -429,8 +430,8 @@ at::Tensor quantize_act_bytes(const at::Tensor& x, bool k_quant) {
 
 // Index of the largest value of a float32 vector (greedy sampling), ties to the lowest index.
 int64_t argmax_cpu(const at::Tensor& x) {
-  TORCH_CHECK(x.dim() == 1 && x.numel() > 0 && x.scalar_type() == at::kFloat && x.is_contiguous(),
-              "argmax: x must be a non-empty contiguous float32 vector");
+  HS_CHECK(x.dim() == 1 && x.numel() > 0 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+           "argmax: x must be a non-empty contiguous float32 vector");
   const float* p = x.data_ptr<float>();
   const int64_t n = x.numel();
   const int nt = at::get_num_threads();
@@ -457,13 +458,13 @@ void dequant_row(const uint8_t* row, int64_t qtype, int64_t K, float* out);  // 
 // buffers are added afterwards: no two threads ever write the same float.
 at::Tensor sparse_axpy_cpu(const at::Tensor& w, int64_t qtype, const at::Tensor& h,
                            const c10::optional<at::Tensor>& idx) {
-  TORCH_CHECK(h.dim() == 2 && h.scalar_type() == at::kFloat && h.is_contiguous(),
-              "sparse_axpy: h must be a contiguous float32 [tokens, rows] tensor");
+  HS_CHECK(h.dim() == 2 && h.scalar_type() == at::kFloat && h.is_contiguous(),
+           "sparse_axpy: h must be a contiguous float32 [tokens, rows] tensor");
   const int64_t T = h.size(0), N = w.size(0);
   const int64_t M = check_rows(idx, N, "sparse_axpy");
-  TORCH_CHECK(h.size(1) == M, "sparse_axpy: h has ", h.size(1), " columns for ", M, " rows");
+  HS_CHECK(h.size(1) == M, "sparse_axpy: h has ", h.size(1), " columns for ", M, " rows");
   const int be = block_elems(qtype), bb = block_bytes(qtype);
-  TORCH_CHECK(bb > 0, "sparse_axpy: unsupported weight type id ", qtype);
+  HS_CHECK(bb > 0, "sparse_axpy: unsupported weight type id ", qtype);
   const int64_t row_bytes = w.size(1) * w.element_size();
   const int64_t K = row_bytes / bb * be;
   check_weight(w, qtype, K, "sparse_axpy");
@@ -582,23 +583,23 @@ bool sparse_ffn_fused_cpu(const at::Tensor& x, const at::Tensor& up, int64_t up_
   AxpyGroup group;
   pick_axpy(down_type, direct, group);
   if (!group) return false;
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(), "sparse_ffn: x must be contiguous float32");
+  HS_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(), "sparse_ffn: x must be contiguous float32");
   const int64_t T = x.size(0), K = x.size(1);
   check_weight(up, up_type, K, "sparse_ffn");
   if (gated) check_weight(*gate, gate_type, K, "sparse_ffn");
   const int64_t M = check_rows(idx, up.size(0), "sparse_ffn");
   if (masked)
-    TORCH_CHECK(mask->scalar_type() == at::kBool && mask->dim() == 2 && mask->size(0) == T && mask->size(1) == M &&
-                    mask->is_contiguous(), "sparse_ffn: the per-token mask must be a contiguous bool [", T, ", ", M, "]");
+    HS_CHECK(mask->scalar_type() == at::kBool && mask->dim() == 2 && mask->size(0) == T && mask->size(1) == M &&
+                 mask->is_contiguous(), "sparse_ffn: the per-token mask must be a contiguous bool [", T, ", ", M, "]");
   const int dbe = block_elems(down_type), dbb = block_bytes(down_type);
   const int64_t drow = down_t.size(1) * down_t.element_size(), D = drow / dbb * dbe;
   check_weight(down_t, down_type, D, "sparse_ffn");
-  TORCH_CHECK(down_t.size(0) == up.size(0), "sparse_ffn: ffn_down_t has ", down_t.size(0), " rows, up has ",
-              up.size(0));
+  HS_CHECK(down_t.size(0) == up.size(0), "sparse_ffn: ffn_down_t has ", down_t.size(0), " rows, up has ",
+           up.size(0));
   const bool has_bias = up_bias.has_value() && up_bias->defined();
   if (has_bias)
-    TORCH_CHECK(up_bias->dim() == 1 && up_bias->size(0) == up.size(0) && up_bias->scalar_type() == at::kFloat &&
-                    up_bias->is_contiguous(), "sparse_ffn: up bias must be float32 [n_ff]");
+    HS_CHECK(up_bias->dim() == 1 && up_bias->size(0) == up.size(0) && up_bias->scalar_type() == at::kFloat &&
+                 up_bias->is_contiguous(), "sparse_ffn: up bias must be float32 [n_ff]");
   y_out = at::zeros({T, D}, x.options());
   h_out = at::zeros({T, M}, x.options());
   if (M == 0 || T == 0) return true;

@@ -5,13 +5,15 @@
 
 #include <cmath>
 
+#include "check.h"
+
 namespace hs {
 
 at::Tensor rms_norm_cpu(const at::Tensor& x, const at::Tensor& w, double eps) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat,
-              "rms_norm: x and weight must be float32");
-  TORCH_CHECK(x.dim() >= 1 && w.dim() == 1 && x.size(-1) == w.size(0), "rms_norm: weight has ",
-              w.size(0), " elements, x rows have ", x.size(-1));
+  HS_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat,
+           "rms_norm: x and weight must be float32");
+  HS_CHECK(x.dim() >= 1 && w.dim() == 1 && x.size(-1) == w.size(0), "rms_norm: weight has ",
+           w.size(0), " elements, x rows have ", x.size(-1));
   auto xc = x.contiguous();
   auto wc = w.contiguous();
   auto y = at::empty_like(xc);

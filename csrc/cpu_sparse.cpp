@@ -9,6 +9,8 @@
 #include <tuple>
 #include <vector>
 
+#include "check.h"
+
 namespace hs {
 
 std::vector<at::Tensor> qmatmul_rows_cpu(const std::vector<at::Tensor>& ws, const std::vector<int64_t>& qtypes,
@@ -39,8 +41,8 @@ static at::Tensor ffn_activations(const at::Tensor& x, const at::Tensor& up, int
   auto rows = qmatmul_rows_cpu(ws, types, x, std::vector<c10::optional<at::Tensor>>(ws.size(), idx));
   at::Tensor u = rows.back();
   if (up_bias.has_value() && up_bias->defined()) {
-    TORCH_CHECK(up_bias->dim() == 1 && up_bias->size(0) == up.size(0) && up_bias->scalar_type() == at::kFloat,
-                "sparse_ffn: up bias must be float32 [n_ff]");
+    HS_CHECK(up_bias->dim() == 1 && up_bias->size(0) == up.size(0) && up_bias->scalar_type() == at::kFloat,
+             "sparse_ffn: up bias must be float32 [n_ff]");
     u.add_(idx.has_value() && idx->defined() ? up_bias->index_select(0, idx->to(at::kLong)) : *up_bias);
   }
   return gated ? gated_act_cpu(rows[0], u, act, act_on_up) : gated_act_cpu(u, at::ones_like(u), act, false);
@@ -76,8 +78,8 @@ std::tuple<at::Tensor, at::Tensor> sparse_ffn_masked_cpu(const at::Tensor& x, co
   if (sparse_ffn_fused_cpu(x, up, up_type, gate, gate_type, down_t, down_type, idx, up_bias, act, act_on_up, y, h,
                            mask))
     return {y, h};
-  TORCH_CHECK(mask.scalar_type() == at::kBool && mask.dim() == 2 && mask.size(0) == x.size(0) &&
-                  mask.size(1) == idx.numel(), "sparse_ffn: the per-token mask must be bool [tokens, |idx|]");
+  HS_CHECK(mask.scalar_type() == at::kBool && mask.dim() == 2 && mask.size(0) == x.size(0) &&
+               mask.size(1) == idx.numel(), "sparse_ffn: the per-token mask must be bool [tokens, |idx|]");
   h = ffn_activations(x, up, up_type, gate, gate_type, idx, up_bias, act, act_on_up);
   h.mul_(mask.to(at::kFloat));
   return {sparse_axpy_cpu(down_t, down_type, h, idx), h};
@@ -88,8 +90,8 @@ std::tuple<at::Tensor, at::Tensor> sparse_ffn_masked_cpu(const at::Tensor& x, co
 at::Tensor sparse_rowdot_cpu(const at::Tensor& w, int64_t qtype, const at::Tensor& x,
                              const c10::optional<at::Tensor>& idx, const c10::optional<at::Tensor>& mask) {
   if (!mask.has_value() || !mask->defined()) return qmatmul_rows_cpu({w}, {qtype}, x, {idx})[0];
-  TORCH_CHECK(mask->scalar_type() == at::kBool && mask->dim() == 1 && mask->size(0) == w.size(0),
-              "sparse_rowdot: mask must be a bool vector of ", w.size(0), " entries");
+  HS_CHECK(mask->scalar_type() == at::kBool && mask->dim() == 1 && mask->size(0) == w.size(0),
+           "sparse_rowdot: mask must be a bool vector of ", w.size(0), " entries");
   const at::Tensor rows = idx.has_value() && idx->defined() ? *idx : at::arange(w.size(0), x.options().dtype(at::kInt));
   const at::Tensor keep = mask->index_select(0, rows.to(at::kLong)).nonzero().squeeze(1);
   const at::Tensor active = rows.index_select(0, keep).to(at::kInt).contiguous();

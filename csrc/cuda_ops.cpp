@@ -6,6 +6,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include "check.h"
 #include "quant_blocks.h"
 
 namespace hs {
@@ -44,21 +45,21 @@ int64_t cuda_row_elements(int64_t qtype, int64_t row_bytes) {
 }
 
 int64_t check_weight(const char* op, const at::Tensor& w, int64_t qtype) {
-  TORCH_CHECK(qtype == F16 || qtype == BF16 || qtype == Q8_0 || qtype == Q4_0, op, " (CUDA): weight type id ",
-              qtype, " is not supported (F16, BF16, Q8_0 and Q4_0 are)");
-  TORCH_CHECK(w.is_cuda() && w.dim() == 2 && w.is_contiguous(), op, " (CUDA): weight must be a contiguous 2-D GPU tensor");
+  HS_CHECK(qtype == F16 || qtype == BF16 || qtype == Q8_0 || qtype == Q4_0, op, " (CUDA): weight type id ",
+           qtype, " is not supported (F16, BF16, Q8_0 and Q4_0 are)");
+  HS_CHECK(w.is_cuda() && w.dim() == 2 && w.is_contiguous(), op, " (CUDA): weight must be a contiguous 2-D GPU tensor");
   const int64_t row_bytes = w.size(1) * w.element_size();
   const int64_t n = cuda_row_elements(qtype, row_bytes);
-  TORCH_CHECK(n > 0 && n % 8 == 0, op, " (CUDA): a row of ", row_bytes, " bytes is not a whole number of 8-element units");
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(w.data_ptr()) % 16 == 0 || (qtype != F16 && qtype != BF16), op,
-              " (CUDA): float16 weights must start at a 16-byte boundary");
+  HS_CHECK(n > 0 && n % 8 == 0, op, " (CUDA): a row of ", row_bytes, " bytes is not a whole number of 8-element units");
+  HS_CHECK(reinterpret_cast<uintptr_t>(w.data_ptr()) % 16 == 0 || (qtype != F16 && qtype != BF16), op,
+           " (CUDA): float16 weights must start at a 16-byte boundary");
   return n;
 }
 
 void check_index(const char* op, const c10::optional<at::Tensor>& idx, const at::Tensor& like) {
   if (!idx) return;
-  TORCH_CHECK(idx->dim() == 1 && idx->scalar_type() == at::kInt && idx->is_contiguous() && idx->device() == like.device(),
-              op, " (CUDA): the index set must be a contiguous int32 vector on the weight's GPU");
+  HS_CHECK(idx->dim() == 1 && idx->scalar_type() == at::kInt && idx->is_contiguous() && idx->device() == like.device(),
+           op, " (CUDA): the index set must be a contiguous int32 vector on the weight's GPU");
 }
 
 }  // namespace
@@ -68,15 +69,15 @@ at::Tensor sparse_rowdot_cuda(const at::Tensor& w, int64_t qtype, const at::Tens
                               const c10::optional<at::Tensor>& idx, const c10::optional<at::Tensor>& mask) {
   const int64_t K = check_weight("sparse_rowdot", w, qtype);
   check_index("sparse_rowdot", idx, w);
-  TORCH_CHECK(x.is_cuda() && x.device() == w.device() && x.dim() == 2 && x.scalar_type() == at::kFloat &&
-              x.is_contiguous() && x.size(1) == K, "sparse_rowdot (CUDA): x must be a contiguous float32 [tokens, ",
-              K, "] tensor on the weight's GPU");
-  TORCH_CHECK(x.size(0) <= cuda_max_tokens(), "sparse_rowdot (CUDA): at most ", cuda_max_tokens(),
-              " tokens per call, got ", x.size(0));
+  HS_CHECK(x.is_cuda() && x.device() == w.device() && x.dim() == 2 && x.scalar_type() == at::kFloat &&
+           x.is_contiguous() && x.size(1) == K, "sparse_rowdot (CUDA): x must be a contiguous float32 [tokens, ",
+           K, "] tensor on the weight's GPU");
+  HS_CHECK(x.size(0) <= cuda_max_tokens(), "sparse_rowdot (CUDA): at most ", cuda_max_tokens(),
+           " tokens per call, got ", x.size(0));
   if (mask)
-    TORCH_CHECK(mask->scalar_type() == at::kBool && mask->dim() == 1 && mask->size(0) == w.size(0) &&
-                mask->is_contiguous() && mask->device() == w.device(),
-                "sparse_rowdot (CUDA): mask must be a contiguous bool vector of ", w.size(0), " entries");
+    HS_CHECK(mask->scalar_type() == at::kBool && mask->dim() == 1 && mask->size(0) == w.size(0) &&
+             mask->is_contiguous() && mask->device() == w.device(),
+             "sparse_rowdot (CUDA): mask must be a contiguous bool vector of ", w.size(0), " entries");
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t n_out = idx ? idx->size(0) : w.size(0), T = x.size(0);
   auto y = at::empty({T, n_out}, x.options());
@@ -94,9 +95,9 @@ at::Tensor sparse_axpy_cuda(const at::Tensor& w, int64_t qtype, const at::Tensor
   const int64_t D = check_weight("sparse_axpy", w, qtype);
   check_index("sparse_axpy", idx, w);
   const int64_t n_rows = idx ? idx->size(0) : w.size(0);
-  TORCH_CHECK(h.is_cuda() && h.device() == w.device() && h.dim() == 2 && h.scalar_type() == at::kFloat &&
-              h.is_contiguous() && h.size(1) == n_rows, "sparse_axpy (CUDA): h must be a contiguous float32 [tokens, ",
-              n_rows, "] tensor on the weight's GPU");
+  HS_CHECK(h.is_cuda() && h.device() == w.device() && h.dim() == 2 && h.scalar_type() == at::kFloat &&
+           h.is_contiguous() && h.size(1) == n_rows, "sparse_axpy (CUDA): h must be a contiguous float32 [tokens, ",
+           n_rows, "] tensor on the weight's GPU");
   const c10::cuda::CUDAGuard guard(h.device());
   auto y = at::zeros({h.size(0), D}, h.options());
   if (h.size(0) == 0 || n_rows == 0) return y;
@@ -114,11 +115,11 @@ at::Tensor qmatmul_cuda(const at::Tensor& w, int64_t qtype, const at::Tensor& x)
 // The per-layer decode steps (csrc/cuda_layers.cu). Python checks their arguments first (see
 // kernels.py); the checks here are the second line.
 void rope_cuda(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, bool neox) {
-  TORCH_CHECK(x.is_cuda() && x.dim() == 3 && x.scalar_type() == at::kFloat && x.stride(2) == 1,
-              "rope_ (CUDA): x must be float32 [tokens, heads, head_dim] with unit stride in head_dim");
-  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.dim() == 2 && cos.size(0) == x.size(0) &&
-              sin.sizes() == cos.sizes() && 2 * cos.size(1) <= x.size(2) && cos.scalar_type() == at::kFloat,
-              "rope_ (CUDA): cos/sin must be contiguous float32 [tokens, rot_dim / 2]");
+  HS_CHECK(x.is_cuda() && x.dim() == 3 && x.scalar_type() == at::kFloat && x.stride(2) == 1,
+           "rope_ (CUDA): x must be float32 [tokens, heads, head_dim] with unit stride in head_dim");
+  HS_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.dim() == 2 && cos.size(0) == x.size(0) &&
+           sin.sizes() == cos.sizes() && 2 * cos.size(1) <= x.size(2) && cos.scalar_type() == at::kFloat,
+           "rope_ (CUDA): cos/sin must be contiguous float32 [tokens, rot_dim / 2]");
   const c10::cuda::CUDAGuard guard(x.device());
   launch_rope(x.data_ptr<float>(), x.stride(0), x.stride(1), x.size(0), static_cast<int>(x.size(1)),
               static_cast<int>(cos.size(1)), cos.data_ptr<float>(), sin.data_ptr<float>(), neox,
@@ -130,18 +131,18 @@ at::Tensor attention_cuda(const at::Tensor& q, const at::Tensor& k, const at::Te
                           at::Tensor v_cache, const at::Tensor& positions, int64_t kv_len, int64_t window,
                           double scale) {
   const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = k.size(1);
-  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1 && q.scalar_type() == at::kFloat &&
-              k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat && Hq % Hkv == 0 &&
-              D <= attention_max_head_dim(), "attention (CUDA): float32 q/k/v with unit stride, head_dim <= ",
-              attention_max_head_dim());
+  HS_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1 && q.scalar_type() == at::kFloat &&
+           k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat && Hq % Hkv == 0 &&
+           D <= attention_max_head_dim(), "attention (CUDA): float32 q/k/v with unit stride, head_dim <= ",
+           attention_max_head_dim());
   const bool half_cache = k_cache.scalar_type() == at::kHalf;
-  TORCH_CHECK((half_cache || k_cache.scalar_type() == at::kFloat) && v_cache.scalar_type() == k_cache.scalar_type() &&
-              k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.size(0) == Hkv && k_cache.size(2) == D,
-              "attention (CUDA): the cache must be contiguous float16/float32 [Hkv, n_ctx, D]");
-  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.size(0) == T,
-              "attention (CUDA): positions must be int64 [T]");
-  TORCH_CHECK(kv_len >= 1 && kv_len <= attention_max_kv() && kv_len <= k_cache.size(1),
-              "attention (CUDA): kv_len must be 1..", attention_max_kv());
+  HS_CHECK((half_cache || k_cache.scalar_type() == at::kFloat) && v_cache.scalar_type() == k_cache.scalar_type() &&
+           k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.size(0) == Hkv && k_cache.size(2) == D,
+           "attention (CUDA): the cache must be contiguous float16/float32 [Hkv, n_ctx, D]");
+  HS_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.size(0) == T,
+           "attention (CUDA): positions must be int64 [T]");
+  HS_CHECK(kv_len >= 1 && kv_len <= attention_max_kv() && kv_len <= k_cache.size(1),
+           "attention (CUDA): kv_len must be 1..", attention_max_kv());
   const c10::cuda::CUDAGuard guard(q.device());
   auto stream = c10::cuda::getCurrentCUDAStream();
   const int64_t n_ctx = k_cache.size(1);
@@ -165,8 +166,8 @@ at::Tensor attention_cuda(const at::Tensor& q, const at::Tensor& k, const at::Te
 }
 
 at::Tensor rms_norm_cuda(const at::Tensor& x, const at::Tensor& w, double eps) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat && x.is_contiguous() &&
-              w.is_contiguous() && w.dim() == 1 && x.size(-1) == w.size(0), "rms_norm (CUDA): float32, matching sizes");
+  HS_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat && x.is_contiguous() &&
+           w.is_contiguous() && w.dim() == 1 && x.size(-1) == w.size(0), "rms_norm (CUDA): float32, matching sizes");
   const c10::cuda::CUDAGuard guard(x.device());
   auto y = at::empty_like(x);
   const int64_t D = x.size(-1);
@@ -177,9 +178,9 @@ at::Tensor rms_norm_cuda(const at::Tensor& x, const at::Tensor& w, double eps) {
 }
 
 at::Tensor gated_act_cuda(const at::Tensor& gate, const at::Tensor& up, int64_t act, bool act_on_up) {
-  TORCH_CHECK(gate.dim() == 2 && gate.sizes() == up.sizes() && gate.stride(1) == 1 && up.stride(1) == 1 &&
-              gate.scalar_type() == at::kFloat && up.scalar_type() == at::kFloat && act >= 0 && act <= 3,
-              "gated_act (CUDA): float32 [T, N] with unit stride in N, activation id 0-3");
+  HS_CHECK(gate.dim() == 2 && gate.sizes() == up.sizes() && gate.stride(1) == 1 && up.stride(1) == 1 &&
+           gate.scalar_type() == at::kFloat && up.scalar_type() == at::kFloat && act >= 0 && act <= 3,
+           "gated_act (CUDA): float32 [T, N] with unit stride in N, activation id 0-3");
   const c10::cuda::CUDAGuard guard(gate.device());
   auto y = at::empty(gate.sizes(), gate.options());
   launch_gated_act(gate.data_ptr<float>(), gate.stride(0), up.data_ptr<float>(), up.stride(0), y.data_ptr<float>(),

@@ -5,6 +5,7 @@
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 
+#include "check.h"
 #include "quant_blocks.h"
 
 namespace hs {
@@ -143,7 +144,7 @@ HS_CLONES void dequant_row(const uint8_t* row, int64_t qtype, int64_t K, float* 
       dequant_q6_k(reinterpret_cast<const BlockQ6_K*>(row), K / QK_K, out);
       return;
     default:
-      TORCH_CHECK(false, "dequantize: weight type id ", qtype, " is not supported ", kDequantTypes);
+      HS_CHECK(false, "dequantize: weight type id ", qtype, " is not supported ", kDequantTypes);
   }
 }
 
@@ -151,20 +152,20 @@ HS_CLONES void dequant_row(const uint8_t* row, int64_t qtype, int64_t K, float* 
 // out: optional float32 storage of at least rows * K elements to write into (a reused buffer: a fresh
 // one of a few MB is an mmap whose page faults cost as much as the dequantization)
 at::Tensor dequantize_rows_cpu(const at::Tensor& w, int64_t qtype, const c10::optional<at::Tensor>& out_buf) {
-  TORCH_CHECK(w.device().is_cpu() && w.dim() == 2, "dequantize: w must be a 2-D CPU tensor");
-  TORCH_CHECK(dequant_supported(qtype), "dequantize: weight type id ", qtype, " is not supported ", kDequantTypes);
+  HS_CHECK(w.device().is_cpu() && w.dim() == 2, "dequantize: w must be a 2-D CPU tensor");
+  HS_CHECK(dequant_supported(qtype), "dequantize: weight type id ", qtype, " is not supported ", kDequantTypes);
   const int64_t bb = block_bytes(qtype), be = block_elems(qtype);
   const int64_t row_bytes = w.size(1) * w.element_size();
-  TORCH_CHECK(row_bytes % bb == 0, "dequantize: a row of ", row_bytes, " bytes is not a whole number of blocks of ",
-              bb, " bytes for weight type id ", qtype);
-  TORCH_CHECK(w.stride(1) == 1 && w.stride(0) * w.element_size() == row_bytes || w.size(0) <= 1,
-              "dequantize: w must have contiguous rows");
+  HS_CHECK(row_bytes % bb == 0, "dequantize: a row of ", row_bytes, " bytes is not a whole number of blocks of ",
+           bb, " bytes for weight type id ", qtype);
+  HS_CHECK(w.stride(1) == 1 && w.stride(0) * w.element_size() == row_bytes || w.size(0) <= 1,
+           "dequantize: w must have contiguous rows");
   const int64_t rows = w.size(0), K = row_bytes / bb * be;
   at::Tensor out;
   if (out_buf.has_value() && out_buf->defined()) {
-    TORCH_CHECK(out_buf->scalar_type() == at::kFloat && out_buf->is_contiguous() && out_buf->device().is_cpu() &&
-                    out_buf->numel() >= rows * K, "dequantize: out must be a contiguous float32 CPU tensor of at least ",
-                rows * K, " elements");
+    HS_CHECK(out_buf->scalar_type() == at::kFloat && out_buf->is_contiguous() && out_buf->device().is_cpu() &&
+                 out_buf->numel() >= rows * K, "dequantize: out must be a contiguous float32 CPU tensor of at least ",
+             rows * K, " elements");
     out = out_buf->view(-1).narrow(0, 0, rows * K).view({rows, K});
   } else {
     out = at::empty({rows, K}, at::kFloat);

@@ -472,3 +472,14 @@ def test_select_ids_picks_the_active_cold_neurons():
         kernels.cpu.select_ids(mask, torch.tensor([5, 1000], dtype=torch.int32))
     with pytest.raises(RuntimeError, match="bool"):
         kernels.cpu.select_ids(mask.float(), ids)
+
+
+def test_compiled_errors_carry_numbers_and_types():
+    """A failed check in the compiled code raises with its numbers and type names in the message (on the
+    GPU machine, TORCH_CHECK's own formatting of a number crashed the process: csrc/check.h)."""
+    with pytest.raises(RuntimeError, match="expected 1..1024 threads, got 0"):
+        kernels.cpu.cold_ffn_set_threads(0)
+    with pytest.raises(RuntimeError, match="block-format weights must be uint8, got Float"):
+        kernels.cpu.qmatmul(torch.zeros(4, 18), int(Q.Q4_0), torch.zeros(1, 32))
+    with pytest.raises(RuntimeError, match="row length 33 is not a multiple of the block size 32"):
+        kernels.cpu.qmatmul(torch.zeros(4, 18, dtype=torch.uint8), int(Q.Q4_0), torch.zeros(1, 33))
