@@ -2,6 +2,7 @@
   - graphs: the step as one CUDA graph, each layer's cold FFN a host node (the default),
   - host nodes: the same queued op by op (no graph),
   - events: the event-synchronised path (HS_HOST_NODES=0), with host time per part (HS_HYBRID_TIMING),
+  - events-nohg: the same with the hot parts of CPU-attention layers op by op (HS_HOT_GRAPHS=0),
   - graphs with the CPU FFN unfused (HS_FUSED_FFN=0: row-dots, activation and axpy as three passes),
   - skip: graphs with the host nodes doing no work (HS_COLD_SKIP=1: the GPU's part and the hand-overs),
   - static: graphs with the CPU FFN's threads on fixed shares of the neurons (HS_FFN_CHUNK=0),
@@ -9,8 +10,11 @@
   - noyield / sleep: the pool's idle threads spin without yielding / sleep at once,
   - omp / spin / omp-spin: graphs with the host nodes' threads from OpenMP (HS_COLD_POOL=0) instead of
     the spinning pool, and/or this thread spinning while a step runs (HS_GRAPH_WAIT=spin),
+  - layers: eager steps synchronised after every layer, the time per layer grouped by where its
+    attention runs and whether it has hot (GPU) and cold (CPU) neurons, with the host time per part
+    (HS_HYBRID_TIMING) of each group,
 and torch's profile of two eager steps. HS_PROFILE_MODES=graphs (a comma list of graphs, unfused, eager,
-events, omp, spin, omp-spin, skip, static, t-1, noyield, sleep) runs only those and skips torch's profile
+events, events-nohg, layers, omp, spin, omp-spin, skip, static, t-1, noyield, sleep) runs only those and skips torch's profile
 (unless HS_PROFILE_TORCH=1; HS_PROFILE_ROWS rows of it, by device time on a GPU or by HS_PROFILE_SORT,
 e.g. self_cpu_time_total); HS_THREADS sets the
 thread count (default 16).
@@ -37,7 +41,7 @@ m = lm.model
 sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
 
 
-def decode(use_graphs: bool, host_nodes: bool) -> float:
+def decode(use_graphs: bool, host_nodes: bool, on_start=None) -> float:
     kernels.HOST_NODES = host_nodes
     gen = Generator(m, lm.tokenizer, 512, use_graphs=use_graphs)
     with torch.inference_mode():
@@ -47,6 +51,8 @@ def decode(use_graphs: bool, host_nodes: bool) -> float:
         sync()
         if hybrid.TIMING is not None:
             hybrid.TIMING.clear()
+        if on_start is not None:
+            on_start()
         t = time.perf_counter()
         for i in range(n):
             out = gen.eval([10 + i])
@@ -71,7 +77,8 @@ VARIANTS = (("graphs", "graphs + host nodes", True, True, {}),
             ("sleep", "the same, pool sleeps at once", True, True, {}),
             ("unfused", "the same, HS_FUSED_FFN=0", True, True, {"HS_FUSED_FFN": "0"}),
             ("eager", "host nodes, no graph", False, True, {}),
-            ("events", "events (HS_HOST_NODES=0)", False, False, {}))
+            ("events", "events (HS_HOST_NODES=0)", False, False, {}),
+            ("events-nohg", "the same, HS_HOT_GRAPHS=0", False, False, {}))
 for key, label, graphs, nodes, env in VARIANTS:
     if key not in modes:
         continue
@@ -80,6 +87,7 @@ for key, label, graphs, nodes, env in VARIANTS:
     kernels.cpu.cold_ffn_set_threads(torch.get_num_threads() - (key == "t-1"))
     kernels.cpu.pool_configure(*{"noyield": (2000, 2000), "sleep": (0, 0)}.get(key, (2000, 50)))
     os.environ.update(env)
+    hybrid.HOT_GRAPHS = key != "events-nohg"
     before = kernels.cpu.cold_ffn_stats()
     dt = decode(graphs, nodes)
     runs, busy, rows = (a - b for a, b in zip(kernels.cpu.cold_ffn_stats(), before))
@@ -92,6 +100,44 @@ for key, label, graphs, nodes, env in VARIANTS:
         cpu = (f"; host nodes {busy / 1e6 / steps:6.1f} ms of it ({runs / steps:.0f} a token, "
                f"{rows / steps:.0f} cold rows: {rate:5.1f} GiB/s)")
     print(f"{label:26s} {dt * 1e3:7.1f} ms per token ({1 / dt:6.2f} tok/s){cpu}")
+hybrid.HOT_GRAPHS = True
+if "layers" in modes:  # eager steps, synchronised after every layer: where a step's time goes by layer kind
+    kernels.HOST_NODES = True
+    groups: dict[str, list[float]] = {}
+    parts: dict[str, dict[str, float]] = {}
+    block, events_timing, recording = m.block, dict(hybrid.TIMING or {}), []
+
+    def timed_block(i, x, step, cache):
+        if not recording:
+            return block(i, x, step, cache)
+        sync()
+        before = dict(hybrid.TIMING or {})
+        t0 = time.perf_counter()
+        y = block(i, x, step, cache)
+        sync()
+        dt = time.perf_counter() - t0
+        f = m.layers[i].ffn
+        key = (f"attn {m.placement.layers[i].type}, " + ("hot+cold" if f.n_hot and f.n_cold else
+                                                         "hot only" if f.n_hot else "cold only"))
+        groups.setdefault(key, []).append(dt)
+        g = parts.setdefault(key, {})
+        for k, v in (hybrid.TIMING or {}).items():
+            g[k] = g.get(k, 0.0) + v - before.get(k, 0.0)
+        return y
+    m.block = timed_block
+    dt = decode(False, True, on_start=lambda: recording.append(True))
+    m.block = block
+    if hybrid.TIMING is not None:
+        hybrid.TIMING.clear()
+        hybrid.TIMING.update(events_timing)
+    steps = n
+    total = sum(sum(v) for v in groups.values()) / steps
+    print(f"synchronised per layer    {dt * 1e3:7.1f} ms per token, layers {total * 1e3:.1f} ms of it")
+    for key, v in sorted(groups.items()):
+        per = len(v) / steps
+        line = ", ".join(f"{k} {t / len(v) * 1e3:.2f}" for k, t in sorted(parts[key].items(), key=lambda kv: -kv[1]))
+        print(f"  {key:26s} {per:3.0f} layers x {sum(v) / len(v) * 1e3:6.2f} ms = {sum(v) / steps * 1e3:6.1f} ms"
+              f"  (per layer: {line})")
 if hybrid.TIMING:
     print("host time per token by part (events path):")
     for k, v in sorted(hybrid.TIMING.items(), key=lambda kv: -kv[1]):
