@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -87,6 +88,16 @@ class _timed:
 
 def _pinned(shape, dtype) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, pin_memory=torch.cuda.is_available())
+
+
+# A layer whose attention stays on the CPU sends one token's x and mask to the GPU, runs its hot
+# neurons there and copies the result back: about ten small ops, 0.40 ms of Python and launches a
+# layer in S2 on the H200 (43 such layers a token). From the second token on they are one CUDA graph
+# per layer (copies from and to pinned buffers inside it), replayed with one launch; they share the
+# memory pool of a live one (they run one after another on one stream; a pool whose graphs are all gone
+# cannot be reused). HS_HOT_GRAPHS=0: op by op.
+HOT_GRAPHS = os.environ.get("HS_HOT_GRAPHS", "1") != "0"
+_HOT_POOL: dict[torch.device, weakref.ref] = {}  # a live hot-part graph per device, whose pool the next shares
 
 
 # Many tokens at once (a prefill, a server's batch): the CPU computes every (token, active cold
@@ -174,7 +185,7 @@ class HybridFFN:
 
     def __init__(self, w: FFNWeights, down_t: QWeight, spec: FFNSpec, hot: np.ndarray, fast: torch.device | None,
                  predictor: LayerPredictor | None, mode: str, score_threshold: float | None = None,
-                 freq: torch.Tensor | None = None):
+                 freq: torch.Tensor | None = None, host_nodes: bool = True):
         if mode not in MODES:
             raise ValueError(f"unknown sparse mode {mode!r}; known: {MODES}")
         if mode in ("predictor", "sampled") and predictor is None:
@@ -195,6 +206,7 @@ class HybridFFN:
         self.down_t = down_t
         self.predictor = predictor
         self.fast = torch.device(fast) if fast is not None else None
+        self.host_nodes = host_nodes  # False: the event path even on CUDA (setup_hybrid: a step that is no graph)
         self.n_hot, self.n_cold = int(hot.size), int(cold.size)
         self.cold_ids = torch.from_numpy(cold.astype(np.int32))
         self._cold_on: dict[torch.device, torch.Tensor] = {torch.device("cpu"): self.cold_ids.long()}
@@ -202,6 +214,7 @@ class HybridFFN:
         self._pinned: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self._bias_on: dict[torch.device, torch.Tensor] = {}
         self._event = None
+        self._hot_graph = None  # None: never run; False: warmed up; then (pinned x, mask, y, graph, event, ...)
         self._task = None  # the cold FFN as a host node task (decode on CUDA), made on first use
         if self.n_hot:
             idx = torch.from_numpy(hot)
@@ -223,7 +236,7 @@ class HybridFFN:
         """Whether the cold part runs as a host node: on CUDA, for the weight types the compiled CPU
         FFN reads (others go through the twins, on the Python thread), not for the oracle."""
         w = self.full
-        return (self.mode != "oracle" and kernels.host_nodes_available()
+        return (self.host_nodes and self.mode != "oracle" and kernels.host_nodes_available()
                 and kernels.cpu_ffn_reads(w.up.qtype, None if w.gate is None else w.gate.qtype, self.down_t.qtype))
 
     @property
@@ -284,9 +297,12 @@ class HybridFFN:
             with _timed("send to CPU"):
                 cold_in = self._send_to_cpu(x, cold_mask)
         with _timed("hot launch"):
-            y = self._hot_part(x, mask)
-            if y is not None and y.device != dev:  # x on the CPU: the GPU's part comes back while the
-                y = self._from_fast(y, dev)        # CPU computes the cold part (collected below)
+            if self._hot_replayable(x):
+                y = self._hot_replay(x, mask)
+            else:
+                y = self._hot_part(x, mask)
+                if y is not None and y.device != dev:  # x on the CPU: the GPU's part comes back while the
+                    y = self._from_fast(y, dev)        # CPU computes the cold part (collected below)
         if cold_in is not None:
             yc = self._cold(*cold_in, pairs=pairs, idx=cold_idx)
         if callable(y):
@@ -402,6 +418,54 @@ class HybridFFN:
             return None
         mh = None if mask is None else self._to_fast(mask).index_select(1, self._ids(self._hot_on, self.fast))
         return self._hot(self._to_fast(x), mh)
+
+    def _hot_replayable(self, x: torch.Tensor) -> bool:
+        """One token on the CPU whose hot part is a CUDA graph (see HOT_GRAPHS): from the second call on
+        (the first, op by op, is the warm-up: kernels loaded, allocator primed)."""
+        if not (HOT_GRAPHS and self.n_hot and x.device.type == "cpu" and x.shape[0] == 1
+                and self.fast.type == "cuda"):
+            return False
+        if self._hot_graph is None:
+            self._hot_graph = False
+            return False
+        return True
+
+    def _hot_replay(self, x: torch.Tensor, mask: torch.Tensor | None):
+        """The hot part of one CPU token as a replay of this layer's graph (captured on first use): a
+        function giving its result on the CPU, to be called after the CPU's cold part."""
+        if not self._hot_graph:
+            self._hot_graph = self._capture_hot(x, mask)
+        xh, mh, yh, graph, done = self._hot_graph[:5]
+        xh.copy_(x)
+        if mh is not None:
+            mh.copy_(mask)
+        graph.replay()
+        done.record()
+
+        def collect() -> torch.Tensor:
+            done.synchronize()
+            return yh.clone()
+        return collect
+
+    def _capture_hot(self, x: torch.Tensor, mask: torch.Tensor | None) -> tuple:
+        fast = self.fast
+        xh = _pinned(x.shape, torch.float32)
+        mh = None if mask is None else _pinned(mask.shape, torch.bool)
+        yh = _pinned((1, self.down_t.in_features), torch.float32)
+        xd = torch.empty(x.shape, device=fast)
+        md = None if mask is None else torch.empty(mask.shape, dtype=torch.bool, device=fast)
+        hot_ids = self._ids(self._hot_on, fast)
+        owner = _HOT_POOL[fast]() if fast in _HOT_POOL else None
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=None if owner is None else owner.pool()):
+            xd.copy_(xh, non_blocking=True)
+            if md is not None:
+                md.copy_(mh, non_blocking=True)
+            y = self._hot(xd, None if md is None else md.index_select(1, hot_ids))
+            yh.copy_(y, non_blocking=True)
+        if owner is None:
+            _HOT_POOL[fast] = weakref.ref(graph)
+        return xh, mh, yh, graph, torch.cuda.Event(), xd, md  # the graph reads xd and md: kept alive with it
 
     def _plus_down_bias(self, y: torch.Tensor) -> torch.Tensor:
         """y plus the down projection's bias, if any, copied once to y's device (a copy from pageable
@@ -830,6 +894,10 @@ def setup_hybrid(model, model_path: Path, opts: HybridOptions, log_line=print) -
     layer_dev = [fast if (fast is not None and a) else cpu for a in attn_fast]
     head_dev = fast if (fast is not None and head_fast) else cpu
     embed_dev = fast if all_fast else cpu
+    # Host nodes pay off inside a CUDA graph. A step that cannot be one (some attention on the CPU) is
+    # faster with the event path: with host nodes the Python thread, launching the next layers, competes
+    # for the cores with the nodes' threads (S2 on the H200: 266 ms per token with events, 284 with nodes).
+    graphed = fast is not None and all(attn_fast)
     placement = Placement(embed_dev, layer_dev, head_dev, sorted({embed_dev, head_dev, *layer_dev}, key=str))
 
     def build(i, ffn, dev):
@@ -837,7 +905,7 @@ def setup_hybrid(model, model_path: Path, opts: HybridOptions, log_line=print) -
             raise ModelError(f"{model_path}: layer {i} is already in hybrid form")
         down_t = ffn.down if ffn.down_transposed else down_ts[i]
         pred = predictors[i].to(dev) if predictors is not None else None
-        return HybridFFN(ffn, down_t, spec, hot[i], fast, pred, opts.mode, score_thr[i], freqs[i])
+        return HybridFFN(ffn, down_t, spec, hot[i], fast, pred, opts.mode, score_thr[i], freqs[i], host_nodes=graphed)
 
     model.apply_placement(placement, build, progress=lambda it: tqdm(
         it, desc="placing layers", unit="layer", leave=False, disable=len(it) < 8))

@@ -100,6 +100,34 @@ def test_host_node_decode_in_cuda_graphs_equals_dense_on_cuda(name, head_fast, t
     torch.testing.assert_close(runs[0], runs[1], rtol=1e-4, atol=1e-4 * max(1.0, ref.abs().max().item()))
 
 
+@pytest.mark.parametrize("name", ["llama-swiglu", "opt", "falcon-40b-relu"])
+@pytest.mark.parametrize("mode", ["dense", "oracle"])
+def test_mixed_placement_decode_equals_dense_on_cuda(name, mode, tmp_path):
+    """Attention of every other layer on the CPU (no decode graph): the GPU layers' cold parts take the
+    event path rather than host nodes, and each CPU layer's hot part is replayed as its own CUDA graph
+    from the second token on (oracle mode: with the layer's mask copied in); the logits match the
+    all-GPU dense model's."""
+    _, dense = build_case(name, tmp_path, dtype="f16")
+    path = dense.gguf.path
+    dense.place(dense.config.n_layers + 1, torch.device("cuda"))
+    ids = torch.randint(0, VOCAB, (5,), generator=torch.Generator().manual_seed(4))
+    feed = torch.randint(0, VOCAB, (6,), generator=torch.Generator().manual_seed(6)).tolist()
+    ref, _ = _generator_run(dense, ids, feed)
+    model = load_model(GGUFFile(path))
+    c = model.config
+    rng = np.random.default_rng(9)
+    hot = [np.sort(rng.choice(c.n_ff, c.n_ff // 3, replace=False)) for _ in range(c.n_layers)]
+    attn = [bool(i % 2) for i in range(c.n_layers)]
+    setup_hybrid(model, path, HybridOptions(mode=mode, device="cuda", hot=hot, attn_fast=attn, head_fast=True),
+                 log_line=lambda *_: None)
+    logits, graphed = _generator_run(model, ids, feed)
+    assert not graphed and not any(l.ffn._host_nodes() for l in model.layers)
+    assert all(bool(l.ffn._hot_graph) != a for l, a in zip(model.layers, attn)), "a CPU layer's hot part not graphed"
+    scale = ref.abs().max().item()
+    err = (logits - ref).abs().max().item()
+    assert err <= 2e-3 * max(scale, 1.0), f"{name} {mode}: {err:.3g} vs scale {scale:.3g}"
+
+
 def hs_run(*args, timeout=300):
     return subprocess.run([sys.executable, "-m", "hybridsparse.runtime.cli", *args], capture_output=True, text=True,
                           timeout=timeout, env={**os.environ})
