@@ -684,69 +684,10 @@ HS_AVX512 static inline void dot_q8_0_tokens_vnni(const void* row, const ActQ8* 
   for (int t = 0; t < NT; ++t) out[t] = hsum(acc[t]);
 }
 
-// The dots of R Q4_0 rows with one quantized x, two blocks per 512-bit register: the same integer
-// dot per block as dot_q45_0_rows_vnni, half the vector instructions per block. On Intel cores, whose
-// 512-bit units are native, the 256-bit loop is bound by ports 0 and 1 (~4 ns a block on the H200
-// machine's Xeon, 4.5 GiB/s of Q4_0 a core); on Zen 4 (double-pumped 512-bit) it measured slower.
-// Chosen by q4_512() below (opt-in for now). Accumulation order differs from the 256-bit loop (even
-// and odd blocks in separate halves), so results agree to float rounding, not bit for bit.
-template <int R>
-HS_AVX512 static inline void dot_q4_0_rows_vnni512(const void* const* rows, const ActQ8* a, int64_t nb, float* out) {
-  static_assert(PLANE_SHIFT == 128, "dot2_vnni shifts by 7");
-  const BlockQ4_0* w[R];
-  __m512 acc[R];
-  float cr[R];  // sum of dw * dsum per row; times the offset (8, exact) at the end
-  for (int r = 0; r < R; ++r) {
-    w[r] = static_cast<const BlockQ4_0*>(rows[r]);
-    acc[r] = _mm512_setzero_ps();
-    cr[r] = 0.f;
-  }
-  const __m512i shift = _mm512_set_epi64(4, 4, 0, 0, 4, 4, 0, 0);
-  const __m512i low4 = _mm512_set1_epi8(0x0F);
-  int64_t b = 0;
-  for (; b + 1 < nb; b += 2) {
-    __m512i x0, x1;
-    act_planes_2(a + b, x0, x1);
-    const float ad0 = a[b].d, ad1 = a[b + 1].d, ds0 = a[b].dsum, ds1 = a[b + 1].dsum;
-    for (int r = 0; r < R; ++r) {
-      const BlockQ4_0& w0 = w[r][b];
-      const BlockQ4_0& w1 = w[r][b + 1];
-      const __m512i t = join256(_mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w0.qs))),
-                                _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w1.qs))));
-      const __m512i u = _mm512_and_si512(_mm512_srlv_epi64(t, shift), low4);
-      const float dw0 = _cvtsh_ss(w0.d), dw1 = _cvtsh_ss(w1.d);
-      acc[r] = _mm512_fmadd_ps(scales_2(dw0 * ad0, dw1 * ad1), _mm512_cvtepi32_ps(dot2_vnni(u, x0, x1)), acc[r]);
-      cr[r] += dw0 * ds0 + dw1 * ds1;
-    }
-  }
-  for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(acc[r]) - 8.f * cr[r];
-  if (b < nb) {  // an odd block count: the last block through the 256-bit loop
-    for (int r = 0; r < R; ++r) {
-      const void* last = w[r] + b;
-      float v;
-      dot_q45_0_rows_vnni<Q4_0, 1>(&last, a + b, 1, &v);
-      out[r] += v;
-    }
-  }
-}
-
-// Whether Q4_0 rows go through dot_q4_0_rows_vnni512: HS_Q4_512=1 (read per call, for side-by-side
-// runs). Off by default until it is measured on an Intel core (written for the Xeon; on the Zen 4
-// dev VM it ties the 256-bit loop within noise, 8.3 vs 6.0-9.5 GiB/s on one core).
-inline bool q4_512() {
-  const char* v = std::getenv("HS_Q4_512");
-  return v && v[0] == '1';
-}
-
 template <int64_t QT>
 HS_AVX512 static inline float dot_q45_0_vnni(const void* row, const ActQ8* a, int64_t nb) {
   float out;
   dot_q45_0_rows_vnni<QT, 1>(&row, a, nb, &out);
-  return out;
-}
-HS_AVX512 static inline float dot_q4_0_avx512_512(const void* row, const ActQ8* a, int64_t nb) {
-  float out;
-  dot_q4_0_rows_vnni512<1>(&row, a, nb, &out);
   return out;
 }
 HS_AVX512 static inline float dot_q4_0_avx512(const void* row, const ActQ8* a, int64_t nb) {

@@ -47,7 +47,7 @@ DotQ8 pick_q8(int64_t qtype) {
 #ifdef HS_X86
   if (cpu_has_avx512()) {
     switch (qtype) {
-      case Q4_0: return q4_512() ? dot_q4_0_avx512_512 : dot_q4_0_avx512;
+      case Q4_0: return dot_q4_0_avx512;
       case Q5_0: return dot_q5_0_avx512;
       case Q8_0: return dot_q8_0_avx512;
     }
@@ -193,14 +193,6 @@ DotRows pick_dot_rows(int n_rows) {
 }
 template <int64_t QT>
 DotRowsQ8 pick_dot_rows_q45(int n_rows) {
-  if (QT == Q4_0 && q4_512()) {
-    switch (n_rows) {
-      case 2: return dot_q4_0_rows_vnni512<2>;
-      case 4: return dot_q4_0_rows_vnni512<4>;
-      case 8: return dot_q4_0_rows_vnni512<8>;
-      default: return dot_q4_0_rows_vnni512<1>;
-    }
-  }
   switch (n_rows) {
     case 2: return dot_q45_0_rows_vnni<QT, 2>;
     case 4: return dot_q45_0_rows_vnni<QT, 4>;

@@ -161,30 +161,6 @@ def test_sparse_ffn_claimed_shares(chunk, rows, n_threads, qtype, monkeypatch):
     torch.testing.assert_close(y, y_ref, rtol=tol, atol=10 * tol * max(1.0, y_ref.abs().max().item()))
 
 
-@pytest.mark.parametrize("nb", [1, 2, 3, 8, 9])
-@pytest.mark.parametrize("rows", ["1", "4"])
-def test_q4_0_two_blocks_per_register(nb, rows, monkeypatch):
-    """HS_Q4_512=1: Q4_0 rows two blocks per 512-bit register (odd block counts end in the 256-bit
-    loop) give the twins' answers as a dense GEMV, a sparse row-dot side by side and the fused FFN."""
-    if kernels.cpu.cpu_path() != "avx512":
-        pytest.skip("the 512-bit Q4_0 loop needs AVX-512 VNNI")
-    monkeypatch.setenv("HS_Q4_512", "1")
-    monkeypatch.setenv("HS_FFN_ROWS", rows)
-    d, n = 32 * nb, 61
-    w, g, dn = (random_rows(Q.Q4_0, n, d, seed=s) for s in (21, 22, 23))
-    x = torch.randn(2, d, generator=torch.Generator().manual_seed(8))
-    scale = kernels.matmul_reference(x, w, Q.Q4_0).abs().max().item()
-    torch.testing.assert_close(kernels.cpu.qmatmul(w, int(Q.Q4_0), x), kernels.matmul_reference(x, w, Q.Q4_0),
-                               rtol=5e-3, atol=5e-3 * scale)
-    idx = torch.randperm(n, generator=torch.Generator().manual_seed(9))[:21].int()
-    torch.testing.assert_close(kernels.sparse_rowdot(w, Q.Q4_0, x[:1], idx),
-                               kernels.sparse_rowdot_reference(w, Q.Q4_0, x[:1], idx), rtol=5e-3, atol=5e-3 * scale)
-    args = (x[:1], w, Q.Q4_0, g, Q.Q4_0, dn, Q.Q4_0, idx.sort().values, None, "relu", False)
-    (y, h), (y_ref, h_ref) = kernels.sparse_ffn(*args), kernels.sparse_ffn_reference(*args)
-    torch.testing.assert_close(h, h_ref, rtol=5e-3, atol=5e-3 * max(1.0, h_ref.abs().max().item()))
-    torch.testing.assert_close(y, y_ref, rtol=5e-3, atol=5e-2 * max(1.0, y_ref.abs().max().item()))
-
-
 @pytest.mark.parametrize("rows", ["1", "2", "4"])
 @pytest.mark.parametrize("qtype", [Q.F16, Q.Q8_0, Q.Q4_0, Q.Q5_0])
 @pytest.mark.parametrize("order", ["sorted", "unsorted"])

@@ -14,7 +14,6 @@
 #   scenario: `hs-bench scenario` for each of HS_SCENARIOS (default "S4 S5"; S1 alone fills a call)
 #   serve: the server's GPU tests, then a 32-client load test of hs-serve on a 7B-shaped model in /dev/shm
 #   chain: S1's Falcon-40B at 24 GiB, a decode step's host time per part (graphs vs the event path)
-#   q4512: Q4_0 GEMV and fused FFN with the 256-bit loop vs HS_Q4_512=1, alternating (~2 minutes)
 set -uo pipefail
 OUT=${OUT:-gpu-results}
 mkdir -p "$OUT"
@@ -47,17 +46,6 @@ if [[ $STAGES == *,kcpu,* ]]; then
   done
   hs-bench kernels --device cpu -t 16 --shapes llama-2-13b,llama-2-70b --reps 5 \
     --json "$OUT/kernels-h200-cpu-t16.json" 2>&1 | tail -30
-fi
-
-if [[ $STAGES == *,q4512,* ]]; then  # Q4_0 rows: the 256-bit loop vs two blocks per 512-bit register (HS_Q4_512), alternating
-  for v in 0 1 0 1; do
-    echo "HS_Q4_512=$v" | tee -a "$OUT/q4-512.txt"
-    HS_Q4_512=$v GS_TYPES=Q4_0 GS_THREADS=1,16 timeout 60 python3 tests/gpu/gemv_scaling.py 2>&1 | grep "t=" | tee -a "$OUT/q4-512.txt"
-  done
-  for v in 0 1; do
-    echo "HS_Q4_512=$v" | tee -a "$OUT/q4-512.txt"
-    HS_Q4_512=$v FB_THREADS=16 timeout 90 python3 tests/gpu/ffn_bench.py llama-70b-q4_0 2>&1 | grep "x4" | tee -a "$OUT/q4-512.txt"
-  done
 fi
 
 if [[ $STAGES == *,small,* ]]; then
