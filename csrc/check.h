@@ -7,7 +7,6 @@
 // it passes through untouched.
 #pragma once
 #include <c10/core/ScalarType.h>
-#include <c10/util/ArrayRef.h>
 #include <c10/util/Exception.h>
 
 #include <cstdint>
@@ -19,16 +18,8 @@ namespace hs {
 inline void msg_part(std::string& s, const char* v) { s += v; }
 inline void msg_part(std::string& s, const std::string& v) { s += v; }
 inline void msg_part(std::string& s, c10::ScalarType t) { s += c10::toString(t); }
-inline void msg_part(std::string& s, c10::IntArrayRef a) {
-  s += '[';
-  for (size_t i = 0; i < a.size(); ++i) s += (i ? ", " : "") + std::to_string(a[i]);
-  s += ']';
-}
 template <typename T, std::enable_if_t<std::is_arithmetic_v<T>, int> = 0>
-inline void msg_part(std::string& s, T v) {
-  if constexpr (std::is_same_v<T, bool>) s += v ? "true" : "false";
-  else s += std::to_string(v);
-}
+inline void msg_part(std::string& s, T v) { s += std::to_string(v); }
 
 template <typename... A>
 std::string msg(const A&... a) {

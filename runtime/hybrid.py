@@ -90,6 +90,15 @@ def _pinned(shape, dtype) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, pin_memory=torch.cuda.is_available())
 
 
+def _collector(yh: torch.Tensor, done):
+    """A function giving the pinned buffer yh's contents once the event `done` (recorded after the copy
+    into it was queued) has passed: the CPU works in between."""
+    def collect() -> torch.Tensor:
+        done.synchronize()
+        return yh.clone()
+    return collect
+
+
 # A layer whose attention stays on the CPU sends one token's x and mask to the GPU, runs its hot
 # neurons there and copies the result back: about ten small ops, 0.40 ms of Python and launches a
 # layer in S2 on the H200 (43 such layers a token). From the second token on they are one CUDA graph
@@ -420,19 +429,17 @@ class HybridFFN:
         return self._hot(self._to_fast(x), mh)
 
     def _hot_replayable(self, x: torch.Tensor) -> bool:
-        """One token on the CPU whose hot part is a CUDA graph (see HOT_GRAPHS): from the second call on
-        (the first, op by op, is the warm-up: kernels loaded, allocator primed)."""
-        if not (HOT_GRAPHS and self.n_hot and x.device.type == "cpu" and x.shape[0] == 1
-                and self.fast.type == "cuda"):
-            return False
-        if self._hot_graph is None:
-            self._hot_graph = False
-            return False
-        return True
+        """One token on the CPU whose hot part goes through this layer's CUDA graph (see HOT_GRAPHS)."""
+        return (HOT_GRAPHS and self.n_hot > 0 and x.device.type == "cpu" and x.shape[0] == 1
+                and self.fast.type == "cuda")
 
     def _hot_replay(self, x: torch.Tensor, mask: torch.Tensor | None):
-        """The hot part of one CPU token as a replay of this layer's graph (captured on first use): a
-        function giving its result on the CPU, to be called after the CPU's cold part."""
+        """The hot part of one CPU token: a function giving its result on the CPU, to be called after the
+        CPU's cold part. The first call runs op by op (the warm-up: kernels loaded, allocator primed),
+        the second captures this layer's graph, every call from then on replays it."""
+        if self._hot_graph is None:
+            self._hot_graph = False
+            return self._from_fast(self._hot_part(x, mask), x.device)
         if not self._hot_graph:
             self._hot_graph = self._capture_hot(x, mask)
         xh, mh, yh, graph, done = self._hot_graph[:5]
@@ -441,11 +448,7 @@ class HybridFFN:
             mh.copy_(mask)
         graph.replay()
         done.record()
-
-        def collect() -> torch.Tensor:
-            done.synchronize()
-            return yh.clone()
-        return collect
+        return _collector(yh, done)
 
     def _capture_hot(self, x: torch.Tensor, mask: torch.Tensor | None) -> tuple:
         fast = self.fast
@@ -572,11 +575,7 @@ class HybridFFN:
         yh, done = self._pinned[key]
         yh.copy_(y, non_blocking=True)
         done.record()
-
-        def collect() -> torch.Tensor:
-            done.synchronize()
-            return yh.clone()
-        return collect
+        return _collector(yh, done)
 
     def _cold(self, x: torch.Tensor, cold_mask: torch.Tensor | None, event=None, pairs: int | None = None,
               idx: torch.Tensor | None = None):
