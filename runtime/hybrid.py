@@ -908,6 +908,9 @@ def setup_hybrid(model, model_path: Path, opts: HybridOptions, log_line=print) -
 
     model.apply_placement(placement, build, progress=lambda it: tqdm(
         it, desc="placing layers", unit="layer", leave=False, disable=len(it) < 8))
+    if budget:  # the plan left VRAM for the activations of this many prompt tokens at a time
+        from hybridsparse.solver.plan import PREFILL_TOKENS
+        model.max_batch_tokens = PREFILL_TOKENS
     gpu_neurons = sum(int(l.ffn.n_hot) for l in model.layers)
     hot_bytes = sum(l.ffn.gpu_bytes for l in model.layers)
     report = {"source": source, "mode": opts.mode, "fast_device": str(fast) if fast else None,

@@ -123,8 +123,10 @@ class Engine:
                 self._wake.clear()
                 continue
             batch: list[tuple[Seq, list[int]]] = []  # every sequence's work of this step, one pass
-            budget = self.n_batch  # prompt tokens of this step, all sequences together (llama.cpp's n_batch),
-            # oldest first: a step stays short, so decoding sequences are never held up by long prompts
+            # prompt tokens of this step, all sequences together (llama.cpp's n_batch; a hybrid model on CUDA
+            # takes fewer, see CausalLM.max_batch_tokens), oldest first: a step stays short, so decoding
+            # sequences are never held up by long prompts
+            budget = min(self.n_batch, self.lm.model.max_batch_tokens or self.n_batch)
             for seq in list(self.active):
                 try:
                     if seq.cancelled:

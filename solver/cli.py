@@ -17,7 +17,7 @@ from hybridsparse.runtime.cli import run_main
 from hybridsparse.runtime.errors import InputError, ModelError
 
 from .gpuidx import default_index_path, model_fingerprint, read_index, stale_reason, write_index
-from .plan import GiB, SOLVER_VERSION, Hardware, LayerShape, Problem, solve
+from .plan import GiB, SOLVER_VERSION, Hardware, LayerShape, Problem, activation_bytes, solve
 
 FFN_PARTS = ("ffn_up", "ffn_gate", "ffn_down")
 
@@ -66,7 +66,7 @@ def model_problem(model_path: Path, profile_dir: Path, profile: Profile, vram_bu
         head = g.tensors.get("output.weight") or g.tensors["token_embd.weight"]
         norms = [t for n, t in g.tensors.items() if n.startswith("output_norm")]
         return Problem(layers, head.nbytes + sum(t.nbytes for t in norms), d_model, vram_budget, hw, group,
-                       activation_bytes=max(64 << 20, 16 * (d_model + max(l.n_ff for l in layers)) * 4 * 512),
+                       activation_bytes=activation_bytes(d_model, max(l.n_ff for l in layers)),
                        vram_head_bytes=_gpu_nbytes(head) + sum(_gpu_nbytes(t) for t in norms))
     finally:
         g.close()

@@ -5,8 +5,9 @@ puts a prefix of each layer's groups on the GPU (y[l][g], hottest first), each l
 block (weights + KV cache + predictor) on the GPU or not (a[l]), and the output head (h).
 
   per-token latency = sum_l max(GPU_l, CPU_l) + sync * (split layers + device changes) + head
-  GPU_l = a_l * attn_bytes_l / B_gpu + sum_g y_lg * active_bytes_lg / B_gpu
-  CPU_l = (1 - a_l) * attn_bytes_l / B_cpu + sum_g (1 - y_lg) * active_bytes_lg / B_cpu
+  GPU_l = a_l * dense_bytes_l / B_gpu + sum_g y_lg * active_bytes_lg / B_gpu
+  CPU_l = (1 - a_l) * dense_bytes_l / B_cpu + sum_g (1 - y_lg) * active_bytes_lg / B_cpu
+  dense_bytes_l = attention weights + predictor (the predictor runs on its attention's device)
   active_bytes_lg = (expected active neurons of the group per token) * bytes per neuron row set
 
 subject to every byte of VRAM (weights at their stored size, KV cache, predictors, fixed buffers
@@ -24,7 +25,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-SOLVER_VERSION = "hs-ilp-4"  # 2: the cost of a decode step without a CUDA graph; 3: STREAM_BYTES; 4: context
+SOLVER_VERSION = "hs-ilp-5"  # 2: the cost of a decode step without a CUDA graph; 3: STREAM_BYTES; 4: context;
+# 5: predictors timed with their attention block, activations for PREFILL_TOKENS
 GiB = 1 << 30
 # VRAM that is not weights: the CUDA context and cuBLAS workspace (the driver counts them), the
 # activations, CUDA-graph buffers and allocator slack; plus a relative margin. The context as the
@@ -36,6 +38,18 @@ CUBLAS_WORKSPACE_BYTES = 32 << 20
 MARGIN = 0.03
 # Two staging slots for cold rows streamed to the GPU during a prefill (runtime.hybrid._Streamer).
 STREAM_BYTES = 64 << 20
+# Tokens of one prefill micro-batch on the GPU: the activations of this many are what the plan leaves
+# room for, and a hybrid model on CUDA runs longer prompts in pieces of this size
+# (CausalLM.max_batch_tokens). At 512 (llama.cpp's ubatch) a 70B model's reserve was 1.1 GiB, of
+# which S2's 64-token prompt used a small part: VRAM that decoding every token could use instead.
+PREFILL_TOKENS = 128
+
+
+def activation_bytes(d_model: int, n_ff: int, tokens: int = PREFILL_TOKENS) -> int:
+    """VRAM kept for the activations of a prefill micro-batch: 16 float32 vectors of the model's and
+    the FFN's width per token (hidden states, q/k/v, the predictor's scores and mask, the hot rows'
+    products), at least 64 MiB."""
+    return max(64 << 20, 16 * (d_model + n_ff) * 4 * tokens)
 
 
 @dataclass
@@ -52,6 +66,12 @@ class LayerShape:
     @property
     def gpu_neuron_bytes(self) -> int:
         return self.vram_neuron_bytes or self.neuron_bytes
+
+    @property
+    def dense_bytes(self) -> int:
+        """What the layer's dense block reads per token on the device it is placed on: the attention
+        weights and the predictor, which runs beside them."""
+        return self.attn_bytes + self.predictor_bytes
 
     @property
     def gpu_attn_bytes(self) -> int:
@@ -136,8 +156,8 @@ def evaluate(problem: Problem, plan: Plan) -> dict:
         k, a = plan.gpu_groups[l], plan.attn_gpu[l]
         g_bytes = float(mass[:k].sum()) * L.neuron_bytes
         c_bytes = float(mass[k:].sum()) * L.neuron_bytes
-        gpu = (a * L.attn_bytes + g_bytes) / hw.gpu_bw
-        cpu = ((not a) * L.attn_bytes + c_bytes) / hw.cpu_bw
+        gpu = (a * L.dense_bytes + g_bytes) / hw.gpu_bw
+        cpu = ((not a) * L.dense_bytes + c_bytes) / hw.cpu_bw
         split = (a and k < len(sizes)) or (not a and k > 0)
         change = prev_gpu is not None and prev_gpu != a
         syncs += split + change
@@ -193,8 +213,8 @@ def solve_ilp(problem: Problem, time_limit: float = 30.0) -> Plan:
         act = [float(mass[g]) * L.neuron_bytes for g in range(len(sizes))]
         tl = pulp.LpVariable(f"t{l}", lowBound=0)
         sl = pulp.LpVariable(f"s{l}", cat="Binary")  # the layer's FFN is split from its attention
-        m += tl >= (a[l] * L.attn_bytes + pulp.lpSum(yl[g] * act[g] for g in range(len(yl)))) / hw.gpu_bw
-        m += tl >= ((1 - a[l]) * L.attn_bytes + pulp.lpSum((1 - yl[g]) * act[g] for g in range(len(yl)))) / hw.cpu_bw
+        m += tl >= (a[l] * L.dense_bytes + pulp.lpSum(yl[g] * act[g] for g in range(len(yl)))) / hw.gpu_bw
+        m += tl >= ((1 - a[l]) * L.dense_bytes + pulp.lpSum((1 - yl[g]) * act[g] for g in range(len(yl)))) / hw.cpu_bw
         m += sl >= a[l] - yl[-1]
         m += sl >= yl[0] - a[l]
         objective += tl + hw.sync_s * sl

@@ -38,3 +38,23 @@ def test_bad_flags(tmp_path, capsys):
     empty = tmp_path / "e.txt"
     empty.write_text("\n")
     assert batched.main(["-m", str(path), "-f", str(empty)]) == 1
+
+
+def test_prompt_in_micro_batches_equals_one_pass(tmp_path, threads):
+    """A model that takes at most max_batch_tokens tokens a pass (a hybrid model on CUDA) runs a longer
+    prompt in pieces: the same logits at every position and the same cache as one pass."""
+    import torch
+    lm = open_model(tiny_llama(tmp_path / "t.gguf"), 0)
+    ids = lm.tokenizer.encode("a prompt of a good many tokens, longer than one micro-batch")
+    assert len(ids) > 7
+    whole = Generator(lm.model, lm.tokenizer, 64)
+    ref = whole.eval(ids, all_logits=True)
+    ref_next = whole.eval([ids[0]])
+    lm.model.max_batch_tokens = 3
+    pieces = Generator(lm.model, lm.tokenizer, 64)
+    got = pieces.eval(ids, all_logits=True)
+    assert got.shape == ref.shape
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+    torch.testing.assert_close(pieces.eval([ids[0]]), ref_next, rtol=1e-4, atol=1e-4 * ref_next.abs().max().item())
+    pieces.reset()
+    torch.testing.assert_close(pieces.eval(ids), ref[-1], rtol=1e-4, atol=1e-4 * ref.abs().max().item())

@@ -59,6 +59,22 @@ def test_cost_of_losing_the_decode_graph(eager_us):
         assert all(ilp.attn_gpu)
 
 
+def test_predictor_is_timed_on_its_attention_device():
+    """Hand-checked: a layer whose attention is on the CPU runs its predictor there too, so its CPU time
+    is (attention + predictor + active neuron bytes) / B_cpu; on the GPU both come off the CPU's time.
+    A predictor as large as the attention makes the GPU's attention worth twice the VRAM it takes."""
+    freq = np.array([1.0, 0.5, 0.0, 0.0])
+    layer = LayerShape(n_ff=4, neuron_bytes=MiB, attn_bytes=30 * MiB, kv_bytes=0, predictor_bytes=20 * MiB, freq=freq)
+    hw = Hardware(gpu_bw=1e12, cpu_bw=50e9, sync_s=0.0, eager_layer_s=0.0)
+    p = Problem([layer], head_bytes=0, d_model=64, vram_budget=8 * GiB, hw=hw, group=2)
+    from hybridsparse.solver.plan import Plan
+    cpu_attn = evaluate(p, Plan([0], [False], False, "hand"))["layers"][0]
+    assert cpu_attn["cpu_ms"] == pytest.approx((30 + 20 + 1.5) * MiB / 50e9 * 1e3)
+    gpu_attn = evaluate(p, Plan([0], [True], False, "hand"))["layers"][0]
+    assert gpu_attn["cpu_ms"] == pytest.approx(1.5 * MiB / 50e9 * 1e3)
+    assert gpu_attn["gpu_ms"] == pytest.approx(50 * MiB / 1e12 * 1e3)
+
+
 def test_pcie_budget_limits_hand_overs():
     p = tiny_problem(1, 60, sync_us=0.0, pcie_budget=0)
     plan = solve_ilp(p)

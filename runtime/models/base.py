@@ -107,6 +107,9 @@ class CausalLM:
         self.sparse_threshold = float(gguf.get("powerinfer.sparse_threshold", 0.0))
         self.placement = Placement.split(c.n_layers, 0, None)
         self.rotary_by_device: dict[torch.device, object] = {}
+        # Most tokens one forward pass takes (None: any): a hybrid model on CUDA runs longer prompts in
+        # micro-batches whose activations fit the VRAM its plan left for them (solver.plan.PREFILL_TOKENS).
+        self.max_batch_tokens: int | None = None
 
     # --- to be provided by each architecture ----------------------------------------------------
 
@@ -189,6 +192,11 @@ class CausalLM:
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: list[KVCache],
                 kv_len: int, all_logits: bool = False) -> torch.Tensor:
         """tokens, positions: int64 [T]; returns float32 logits [T or 1, n_vocab] on the head's device."""
+        m, n = self.max_batch_tokens, tokens.shape[0]
+        if m and n > m:  # consecutive positions: piece k attends over the cache up to its own last token
+            outs = [self.forward(tokens[a:a + m], positions[a:a + m], cache, kv_len - n + min(a + m, n), all_logits)
+                    for a in range(0, n, m)]
+            return torch.cat(outs) if all_logits else outs[-1]
         p = self.placement
         x = self.embed(tokens.to(p.embed), positions.to(p.embed))
         return self.finish(self.run_layers(x, positions, cache, kv_len), all_logits)
