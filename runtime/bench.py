@@ -357,7 +357,10 @@ def _hybrid(args) -> int:
     print(hybrid_table(result))
     if args.json and any("decode_tok_s" in r for r in result["runs"]):
         print(f"plot: {plot_hybrid(result, Path(args.json).with_suffix('.png'))}")
-    return 0
+    failed = [r for r in result["runs"] if "error" in r]
+    if failed:  # the table and plot show what ran; the exit status says that not everything did
+        print(f"hs-bench: {len(failed)} of {len(result['runs'])} runs failed", file=sys.stderr)
+    return 1 if failed else 0
 
 
 def _hybrid_row(r: dict) -> str:
@@ -567,7 +570,7 @@ def plot_hybrid(d: dict, out: str | Path) -> Path:
         ax.bar(xs, ys, width, color=color, label=engine if engine == "hybrid" else "dense layer split (-ngl)")
     for i, b in enumerate(budgets):
         h, s = get.get(("hybrid", b)), get.get(("layer split", b))
-        if h and s and s["decode_tok_s"]:
+        if h and s and "decode_tok_s" in h and s.get("decode_tok_s"):
             ax.text(i, max(h["decode_tok_s"], s["decode_tok_s"]) * 1.12, f"{h['decode_tok_s'] / s['decode_tok_s']:.2f}x",
                     ha="center", fontsize=10, weight="bold")
     ax.set_xticks(range(len(budgets)), [("CPU only" if b == 0 else f"{b:g} GiB") for b in budgets])

@@ -889,10 +889,11 @@ def setup_hybrid(model, model_path: Path, opts: HybridOptions, log_line=print) -
     if any(not layer.ffn.down_transposed for layer in model.layers):
         down_ts = transposed_down(model.gguf, c.n_layers, progress=lambda it: tqdm(
             it, desc="transposing ffn_down (once)", unit="layer", leave=False))
-    all_fast = fast is not None and all(attn_fast) and head_fast
     layer_dev = [fast if (fast is not None and a) else cpu for a in attn_fast]
     head_dev = fast if (fast is not None and head_fast) else cpu
-    embed_dev = fast if all_fast else cpu
+    # The token embedding stays on the CPU, as in llama.cpp: a decode step reads one of its rows, and the
+    # plan does not count it (on the GPU, Falcon-40B's would take 1 GiB of a 24 GiB budget unplanned).
+    embed_dev = cpu
     # Host nodes pay off inside a CUDA graph. A step that cannot be one (some attention on the CPU) is
     # faster with the event path: with host nodes the Python thread, launching the next layers, competes
     # for the cores with the nodes' threads (S2 on the H200: 266 ms per token with events, 284 with nodes).

@@ -220,3 +220,22 @@ def test_hybrid_benchmark_plot(tmp_path):
     data = out.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
     assert bench.main(["plot", str(Path(__file__))]) == 1  # not JSON: one-line error
+
+
+def test_hybrid_benchmark_plot_with_a_failed_run(tmp_path):
+    """A run that failed (an out-of-memory error, say) leaves an error row: the plot is still drawn from
+    the runs that finished, without a ratio for the failed pair."""
+    import json
+    from pathlib import Path
+
+    from hybridsparse.runtime import bench
+    d = json.loads((Path(__file__).parent.parent / "bench-results" / "hybrid-h200-llama13b-f16-sampled-session5.json").read_text())
+    hybrid = next(r for r in d["runs"] if r["engine"] == "hybrid")
+    for k in ("decode_tok_s", "prefill_tok_s", "speedup_vs_layer_split"):
+        hybrid.pop(k, None)
+    hybrid["error"] = "torch.OutOfMemoryError: CUDA out of memory"
+    src = tmp_path / "failed.json"
+    src.write_text(json.dumps(d))
+    assert bench.main(["plot", str(src), "-o", str(tmp_path / "f.png")]) == 0
+    assert (tmp_path / "f.png").read_bytes()[:4] == b"\x89PNG"
+    assert "error: torch.OutOfMemoryError" in bench.hybrid_table(d)
