@@ -107,6 +107,10 @@ def add_hybrid_args(ap: argparse.ArgumentParser) -> None:
                               "carries predictors, as PowerInfer's do, and -ngl is not)")
     g.add_argument("--vram-budget", type=float, default=None, metavar="GiB",
                    help="GPU memory to use, everything counted (default: all free VRAM minus 0.5 GiB; 0 = CPU only)")
+    g.add_argument("-ub", "--ubatch-size", type=int, default=None, metavar="N",
+                   help="prompt tokens per pass on the GPU; the placement leaves VRAM for their activations, "
+                        "the rest holds weights (default: 128; llama.cpp's is 512: faster long prompts, fewer "
+                        "weights on the GPU)")
     g.add_argument("--reset-gpu-index", action="store_true",
                    help="solve the neuron placement again (after an out-of-memory error, say)")
     g.add_argument("--disable-gpu-index", action="store_true",
@@ -130,10 +134,11 @@ def hybrid_options(args, model_path):
     """HybridOptions from the flags, or None for the dense runtime (-ngl)."""
     from pathlib import Path
 
-    from .hybrid import HybridOptions, load_predictors_available
+    from .hybrid import PREFILL_TOKENS, HybridOptions, load_predictors_available
     sparsity = getattr(args, "sparsity", None)
+    ubatch = getattr(args, "ubatch_size", None)
     asked = (args.vram_budget is not None or args.reset_gpu_index or args.disable_gpu_index or args.dense
-             or args.oracle or args.predictors or args.gpu_index or sparsity is not None)
+             or args.oracle or args.predictors or args.gpu_index or sparsity is not None or ubatch is not None)
     if args.dense and args.oracle:
         raise ValueError("--dense and --oracle exclude each other")
     if sparsity is not None and (args.dense or args.predictors):
@@ -144,12 +149,15 @@ def hybrid_options(args, model_path):
         return None
     if args.vram_budget is not None and args.vram_budget < 0:
         raise ValueError(f"--vram-budget must be >= 0 GiB, got {args.vram_budget}")
+    if ubatch is not None and ubatch < 1:
+        raise ValueError(f"-ub {ubatch}: expected at least 1 prompt token per pass")
     mode = "dense" if args.dense else "oracle" if args.oracle or sparsity is not None else "predictor"
     return HybridOptions(vram_budget=args.vram_budget, mode=mode, sparsity=sparsity, predictors=args.predictors,
                          profile=args.profile,
                          gpu_index=args.gpu_index, reset_gpu_index=args.reset_gpu_index,
                          disable_gpu_index=args.disable_gpu_index, n_ctx=args.ctx_size if args.ctx_size > 0 else 4096,
-                         device=args.device, hardware=_measured_hardware if args.measure else None)
+                         device=args.device, hardware=_measured_hardware if args.measure else None,
+                         ubatch=ubatch or PREFILL_TOKENS)
 
 
 def _measured_hardware():

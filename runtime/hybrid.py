@@ -29,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
 
+from hybridsparse.solver.plan import PREFILL_TOKENS
+
 from . import kernels
 from .errors import InputError, ModelError
 from .layers import ACTIVATIONS, FFNSpec, FFNWeights, gated_act
@@ -716,6 +718,7 @@ class HybridOptions:
     head_fast: bool = False
     hardware: object = None  # solver.plan.Hardware (or a function giving one) for a solve here; None: defaults
     sparsity: float | None = None  # threshold models: the exact |act| rule at this sparsity (profile's table)
+    ubatch: int = PREFILL_TOKENS  # prompt tokens per GPU pass (-ub): the plan keeps VRAM for their activations
 
 
 def _side_path(model: Path, suffix: str) -> Path:
@@ -910,8 +913,7 @@ def setup_hybrid(model, model_path: Path, opts: HybridOptions, log_line=print) -
     model.apply_placement(placement, build, progress=lambda it: tqdm(
         it, desc="placing layers", unit="layer", leave=False, disable=len(it) < 8))
     if budget:  # the plan left VRAM for the activations of this many prompt tokens at a time
-        from hybridsparse.solver.plan import PREFILL_TOKENS
-        model.max_batch_tokens = PREFILL_TOKENS
+        model.max_batch_tokens = opts.ubatch
     gpu_neurons = sum(int(l.ffn.n_hot) for l in model.layers)
     hot_bytes = sum(l.ffn.gpu_bytes for l in model.layers)
     report = {"source": source, "mode": opts.mode, "fast_device": str(fast) if fast else None,
@@ -951,7 +953,8 @@ def _index(model_path: Path, profile_dir: Path, budget: int, opts: HybridOptions
         profile_dir = _side_path(model_path, ".hs-noprofile")
         save_profile(profile_dir, [torch.zeros(n, dtype=torch.float64) for n in n_ff], 1, {"criterion": "none"})
     out = io.StringIO()
-    index, solved = solver_cli.ensure_index(model_path, profile_dir, budget, opts.n_ctx, reset=opts.reset_gpu_index,
+    index, solved = solver_cli.ensure_index(model_path, profile_dir, budget, opts.n_ctx, ubatch=opts.ubatch,
+                                            reset=opts.reset_gpu_index,
                                             hw=opts.hardware, index_path=index_path, out=out, plan_out=out,
                                             tag="hs-run")
     for line in out.getvalue().splitlines():

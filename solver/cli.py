@@ -17,13 +17,13 @@ from hybridsparse.runtime.cli import run_main
 from hybridsparse.runtime.errors import InputError, ModelError
 
 from .gpuidx import default_index_path, model_fingerprint, read_index, stale_reason, write_index
-from .plan import GiB, SOLVER_VERSION, Hardware, LayerShape, Problem, activation_bytes, solve
+from .plan import GiB, PREFILL_TOKENS, SOLVER_VERSION, Hardware, LayerShape, Problem, activation_bytes, solve
 
 FFN_PARTS = ("ffn_up", "ffn_gate", "ffn_down")
 
 
 def model_problem(model_path: Path, profile_dir: Path, profile: Profile, vram_budget: int, hw: Hardware,
-                  n_ctx: int, group: int) -> Problem:
+                  n_ctx: int, group: int, ubatch: int = PREFILL_TOKENS) -> Problem:
     """Shapes and stored sizes from the GGUF (nothing read but its header), frequencies from the profile."""
     from hybridsparse.runtime.gguf_file import GGUFFile
     g = GGUFFile(model_path)
@@ -66,7 +66,7 @@ def model_problem(model_path: Path, profile_dir: Path, profile: Profile, vram_bu
         head = g.tensors.get("output.weight") or g.tensors["token_embd.weight"]
         norms = [t for n, t in g.tensors.items() if n.startswith("output_norm")]
         return Problem(layers, head.nbytes + sum(t.nbytes for t in norms), d_model, vram_budget, hw, group,
-                       activation_bytes=activation_bytes(d_model, max(l.n_ff for l in layers)),
+                       activation_bytes=activation_bytes(d_model, max(l.n_ff for l in layers), ubatch),
                        vram_head_bytes=_gpu_nbytes(head) + sum(_gpu_nbytes(t) for t in norms))
     finally:
         g.close()
@@ -153,7 +153,7 @@ DEFAULT_GPU_GIB_S, DEFAULT_CPU_GIB_S, DEFAULT_PCIE_GIB_S, DEFAULT_SYNC_US = 800.
 
 
 def ensure_index(model: Path, profile_dir: Path, budget: int, n_ctx: int = 4096, group: int = 64,
-                 reset: bool = False, hw=None, time_limit: float = 30.0, greedy: bool = False,
+                 ubatch: int = PREFILL_TOKENS, reset: bool = False, hw=None, time_limit: float = 30.0, greedy: bool = False,
                  index_path: Path | None = None, json_out: str | None = None, out=None, plan_out=None,
                  tag: str = "hs-solve"):
     """The GPU index for (model, profile, budget): the cached one if it matches, else solved and written.
@@ -164,7 +164,8 @@ def ensure_index(model: Path, profile_dir: Path, budget: int, n_ctx: int = 4096,
     index_path = index_path or default_index_path(model)
     profile = load_profile(profile_dir)
     expect = {"model_fingerprint": model_fingerprint(model), "profile_hash": profile_hash(profile),
-              "vram_budget": budget, "solver_version": SOLVER_VERSION, "group": group, "n_ctx": n_ctx}
+              "vram_budget": budget, "solver_version": SOLVER_VERSION, "group": group, "n_ctx": n_ctx,
+              "ubatch": ubatch}
     if index_path.exists() and not reset:
         index = read_index(index_path)
         reason = stale_reason(index, expect, budget)
@@ -176,7 +177,7 @@ def ensure_index(model: Path, profile_dir: Path, budget: int, n_ctx: int = 4096,
     hw = hw() if callable(hw) else hw
     hw = hw or Hardware(DEFAULT_GPU_GIB_S * GiB, DEFAULT_CPU_GIB_S * GiB, DEFAULT_SYNC_US * 1e-6,
                         DEFAULT_PCIE_GIB_S * GiB)
-    problem = model_problem(model, profile_dir, profile, budget, hw, n_ctx, group)
+    problem = model_problem(model, profile_dir, profile, budget, hw, n_ctx, group, ubatch)
     plan = solve(problem, time_limit, "greedy" if greedy else "ilp")
     print_plan(plan, problem, out=plan_out)
     meta = {**expect, "attn_gpu": plan.attn_gpu, "head_gpu": plan.head_gpu, "method": plan.method,
@@ -196,7 +197,9 @@ def _main(args) -> int:
         raise InputError(f"{model}: no such model file")
     profile_dir = Path(args.profile) if args.profile else model.with_name(model.stem + ".hs-profile")
     budget_gib = args.vram_budget if args.vram_budget is not None else default_budget_gib()
-    ensure_index(model, profile_dir, int(budget_gib * GiB), args.ctx_size, args.group, args.reset_gpu_index,
+    if args.ubatch_size < 1:
+        raise InputError(f"-ub {args.ubatch_size}: expected at least 1 prompt token per pass")
+    ensure_index(model, profile_dir, int(budget_gib * GiB), args.ctx_size, args.group, args.ubatch_size, args.reset_gpu_index,
                  lambda: measure_hardware(args), args.time_limit, args.greedy,
                  Path(args.index) if args.index else None, args.json)
     return 0
@@ -210,6 +213,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--vram-budget", type=float, help="GiB of GPU memory to use, everything counted "
                     "(default: free VRAM minus 0.5 GiB)")
     ap.add_argument("-c", "--ctx-size", type=int, default=4096, help="context for the KV cache (default: %(default)s)")
+    ap.add_argument("-ub", "--ubatch-size", type=int, default=PREFILL_TOKENS, help="prompt tokens per pass on the "
+                    "GPU that the plan keeps VRAM for (hs-run -ub; default: %(default)s)")
     ap.add_argument("--group", type=int, default=64, help="neurons per placement unit (default: %(default)s)")
     ap.add_argument("--measure", action="store_true", help="measure CPU/GPU read bandwidth and the CPU<->GPU "
                     "hand-over here instead of the given figures")

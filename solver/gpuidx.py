@@ -113,7 +113,7 @@ def stale_reason(index: GpuIndex, expect: dict, vram_budget: int) -> str | None:
     if index.vram_capacity > vram_budget:
         return (f"it was solved for {index.vram_capacity / 2**30:.2f} GiB of VRAM, more than the "
                 f"{vram_budget / 2**30:.2f} GiB budget now")
-    for key in ("model_fingerprint", "profile_hash", "vram_budget", "solver_version", "group", "n_ctx"):
+    for key in ("model_fingerprint", "profile_hash", "vram_budget", "solver_version", "group", "n_ctx", "ubatch"):
         if key in expect and index.meta.get(key) != expect[key]:
             return f"its {key} is {index.meta.get(key)!r}, now {expect[key]!r}"
     return None

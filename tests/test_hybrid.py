@@ -159,7 +159,7 @@ def test_hs_run_hybrid_flags(tmp_path):
     base = ["-m", str(model), "-p", "Hello", "-n", "8", "--temp", "0", "-t", "1"]
     plain = hs_run(*base)
     assert plain.returncode == 0, plain.stderr
-    for extra in (["--dense", "--vram-budget", "0"], ["--oracle", "--vram-budget", "0"], ["--dense", "--vram-budget", "2"]):
+    for extra in (["--dense", "--vram-budget", "0"], ["--oracle", "--vram-budget", "0"], ["--dense", "-ub", "3", "--vram-budget", "2"]):
         r = hs_run(*base, *extra)
         assert r.returncode == 0, r.stderr
         assert r.stdout == plain.stdout, extra
@@ -171,6 +171,7 @@ def test_hs_run_hybrid_flags(tmp_path):
         ("--dense", "-ngl", "2"): "pass one or the other",
         ("--dense", "--oracle"): "exclude each other",
         ("--vram-budget", "-1"): "must be >= 0",
+        ("--dense", "-ub", "0"): "-ub 0: expected at least 1",
     }
     for extra, needle in bad.items():
         r = hs_run(*base, *extra)

@@ -167,6 +167,12 @@ def test_hs_solve_end_to_end_caches_and_resets(relu_model, capsys):
     # a different budget or profile makes the cached index stale: solved again, said so
     assert cli.main(["-m", str(relu_model), "--vram-budget", "1.1", "--group", "8"]) == 0
     assert "stale" in capsys.readouterr().err
+    # so does another prefill micro-batch (-ub): the VRAM its activations need is not the weights'
+    assert cli.main(["-m", str(relu_model), "--vram-budget", "1.1", "--group", "8", "-ub", "512"]) == 0
+    assert "its ubatch is 128, now 512" in capsys.readouterr().err
+    assert read_index(index).meta["ubatch"] == 512
+    assert cli.main(["-m", str(relu_model), "--vram-budget", "1.1", "-ub", "0"]) == 1
+    assert "-ub 0: expected at least 1" in capsys.readouterr().err
     torch.save(torch.ones(5), relu_model.with_name("relu.hs-profile") / "activation" / "activation_0.pt")
     assert cli.main(args) == 1
     assert "layer 0 of the profile has 5 neurons" in capsys.readouterr().err
