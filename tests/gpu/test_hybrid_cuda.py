@@ -154,6 +154,19 @@ def test_hs_run_oracle_tokens_identical_cpu_hybrid_all_gpu(tiny_profiled):
     assert hybrid.stdout == all_gpu.stdout == cpu.stdout
 
 
+def test_prompt_in_micro_batches_on_cuda(tiny_profiled):
+    """-ub 3: the hybrid model on CUDA runs the prompt three tokens a pass (the plan keeps VRAM for
+    three tokens' activations) and still generates what the whole model on the GPU does."""
+    base = ["-m", str(tiny_profiled), "-p", "a prompt a good deal longer than one micro-batch", "-n", "8",
+            "--temp", "0", "-t", "4", "--no-display-prompt"]
+    all_gpu = hs_run(*base, "-ngl", "99")
+    pieces = hs_run(*base, "--oracle", "--vram-budget", "2", "-ub", "3")
+    for r in (all_gpu, pieces):
+        assert r.returncode == 0, r.stderr
+    assert "FFN neurons on cuda" in pieces.stderr
+    assert pieces.stdout == all_gpu.stdout
+
+
 def test_hs_run_gpu_index_reuse_stale_reset(tiny_profiled):
     base = ["-m", str(tiny_profiled), "-p", "Hi", "-n", "4", "--temp", "0", "--dense"]
     first = hs_run(*base, "--vram-budget", "1.5", "--reset-gpu-index")
