@@ -38,9 +38,9 @@ CUBLAS_WORKSPACE_BYTES = 32 << 20
 MARGIN = 0.03
 # Two staging slots for cold rows streamed to the GPU during a prefill (runtime.hybrid._Streamer).
 STREAM_BYTES = 64 << 20
-# Tokens of one prefill micro-batch on the GPU: the activations of this many are what the plan leaves
-# room for, and a hybrid model on CUDA runs longer prompts in pieces of this size
-# (CausalLM.max_batch_tokens); `-ub` sets another. At 512 (llama.cpp's ubatch) a 70B model's reserve was 1.1 GiB, of
+# Tokens of one prefill micro-batch on the GPU (hs-run -ub): the activations of this many are what the
+# plan leaves room for, and a hybrid model on CUDA runs longer prompts in pieces of this size
+# (CausalLM.max_batch_tokens). At 512 (llama.cpp's ubatch) a 70B model's reserve was 1.1 GiB, of
 # which S2's 64-token prompt used a small part: VRAM that decoding every token could use instead.
 PREFILL_TOKENS = 128
 
