@@ -206,6 +206,34 @@ def test_sparse_ffn_with_a_mask_per_token(activation, gated, act_on_up, qtype, t
     torch.testing.assert_close(y, ry, rtol=5e-3, atol=1e-3 * max(1.0, ry.abs().max().item()))
 
 
+@pytest.mark.parametrize("act_on_up", [False, True])
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.F16])
+@pytest.mark.parametrize("form", ["one row at a time", "rows side by side", "a mask per token"])
+def test_relu_gate_first_skips_only_what_is_zero(act_on_up, qtype, form, monkeypatch):
+    """A ReLU gate is read before its up row, which is skipped where the gate did not fire
+    (HS_GATE_FIRST, on by default, one row at a time: one token with HS_FFN_ROWS=1, several with a
+    mask each): the same y and h as reading both rows, with about half the listed gates firing."""
+    monkeypatch.setenv("HS_FFN_ROWS", "4" if form == "rows side by side" else "1")
+    d, n_ff, tokens = 128, 301, 2 if form == "a mask per token" else 1
+    up, gate, down_t = (random_rows(qtype, n_ff, d, seed=s) for s in (1, 2, 3))
+    x = torch.randn(tokens, d, generator=torch.Generator().manual_seed(7))
+    idx = torch.randperm(n_ff, generator=torch.Generator().manual_seed(8))[:97].int()
+    if tokens > 1:
+        mask = torch.rand(tokens, 97, generator=torch.Generator().manual_seed(9)) < 0.7
+        args = (x, up, qtype, gate, qtype, down_t, qtype, idx, mask, None, "relu", act_on_up)
+        run = kernels.sparse_ffn_masked
+    else:
+        args = (x, up, qtype, gate, qtype, down_t, qtype, idx, None, "relu", act_on_up)
+        run = kernels.sparse_ffn
+    y, h = run(*args)
+    assert 0.1 < (h != 0).float().mean() < 0.8  # (dReLU: a quarter of the listed neurons fire)
+    monkeypatch.setenv("HS_GATE_FIRST", "0")
+    y_both, h_both = run(*args)
+    assert torch.equal(h.abs(), h_both.abs())  # 0 * u may be -0: the same value
+    # y: the same terms, summed by whichever thread claimed each share first
+    torch.testing.assert_close(y, y_both, rtol=1e-5, atol=1e-5 * y_both.abs().max().item())
+
+
 def test_sparse_ffn_with_all_neurons_equals_dense_ffn():
     from hybridsparse.runtime.layers import FFN_VARIANTS, FFNWeights, ffn
     from hybridsparse.runtime.weights import QWeight
