@@ -292,12 +292,14 @@ HS_AVX2 static inline __m256 block_dot2(__m256i q, const ActQ8& a, float dw, __m
   return _mm256_fmadd_ps(_mm256_set1_ps(dw * a.d), _mm256_cvtepi32_ps(_mm256_add_epi32(i0, i1)), acc);
 }
 
-// unsigned weights (0..31) of one block against both planes: sum of qu * (128 q0 + q1), as int32
-HS_AVX2 static inline __m256i block_dot2_unsigned(__m256i qu, const ActQ8& a) {
-  const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.qs[0]));
-  const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.qs[1]));
+// unsigned weights (0..31) of one block against both planes x0, x1: sum of qu * (128 q0 + q1), as int32
+HS_AVX2 static inline __m256i dot2_unsigned(__m256i qu, __m256i x0, __m256i x1) {
   return _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(qu, x0), _mm256_set1_epi16(PLANE_SHIFT)),
                           _mm256_madd_epi16(_mm256_maddubs_epi16(qu, x1), _mm256_set1_epi16(1)));
+}
+HS_AVX2 static inline __m256i block_dot2_unsigned(__m256i qu, const ActQ8& a) {
+  return dot2_unsigned(qu, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.qs[0])),
+                       _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.qs[1])));
 }
 
 // Q4_0 / Q5_0 keep their weights unsigned (nibble, or nibble | high bit) and subtract the offset
@@ -330,6 +332,41 @@ HS_AVX2 static inline float dot_q8_0_avx2(const void* row, const ActQ8* a, int64
   for (; b < nb; ++b)
     acc0 = block_dot2(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[b].qs)), a[b], _cvtsh_ss(w[b].d), acc0);
   return hsum(_mm256_add_ps(acc0, acc1));
+}
+
+// R rows side by side against one token, for CPUs without AVX-512 (the sparse row-dot and the fused
+// FFN over scattered rows: more streams in flight per core than one row at a time). Q8_0: the
+// activation block read once for all R rows.
+template <int R>
+HS_AVX2 static inline void dot_q8_0_rows_avx2(const void* const* rows, const ActQ8* a, int64_t nb, float* out) {
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b)
+    for (int r = 0; r < R; ++r) {
+      const BlockQ8_0& w = static_cast<const BlockQ8_0*>(rows[r])[b];
+      acc[r] = block_dot2(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.qs)), a[b], _cvtsh_ss(w.d), acc[r]);
+    }
+  for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]);
+}
+
+// float16 rows side by side against a float32 x, 8 values a step, x loaded once per step for all R
+template <int R>
+HS_AVX2 static inline void dot_f16_rows_avx2(const void* const* rows, const float* x, int64_t n, float* out) {
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 xv = _mm256_loadu_ps(x + i);
+    for (int r = 0; r < R; ++r) {
+      const uint16_t* w = static_cast<const uint16_t*>(rows[r]) + i;
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))), xv, acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float s = hsum(acc[r]);
+    for (int64_t j = i; j < n; ++j) s += _cvtsh_ss(static_cast<const uint16_t*>(rows[r])[j]) * x[j];
+    out[r] = s;
+  }
 }
 
 namespace isa_avx2 {  // the kernels of cpu_dot_isa.h for AVX2
@@ -631,33 +668,6 @@ HS_AVX512 static inline float dot_q8_0_avx512(const void* row, const ActQ8* a, i
   return out;
 }
 
-// The dots of R Q4_0 / Q5_0 rows with one quantized x, side by side (R = 1 is the plain dot): unsigned
-// weights straight into 256-bit VNNI (one vpdpbusd per plane instead of maddubs + madd), the offset
-// subtracted once per block as in AVX2, the activation planes loaded once per block for all R rows.
-// (Two blocks per 512-bit register measured slower on Zen 4, whose 512-bit integer ops are
-// double-pumped.)
-template <int64_t QT, int R>
-HS_AVX512 static inline void dot_q45_0_rows_vnni(const void* const* rows, const ActQ8* a, int64_t nb, float* out) {
-  constexpr float offset = QT == Q4_0 ? 8.f : 16.f;
-  __m256 acc[R];
-  float cr[R];  // the offset's share per row
-  for (int r = 0; r < R; ++r) { acc[r] = _mm256_setzero_ps(); cr[r] = 0.f; }
-  for (int64_t b = 0; b < nb; ++b) {
-    const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a[b].qs[0]));
-    const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a[b].qs[1]));
-    const float ad = a[b].d, as = offset * a[b].dsum;
-    for (int r = 0; r < R; ++r) {
-      float dw;
-      const __m256i qu = unsigned_block_q45_0<QT>(rows[r], b, dw);
-      const __m256i i = dot2_vnni256(qu, x0, x1);
-      const float s = dw * ad;
-      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(s), _mm256_cvtepi32_ps(i), acc[r]);
-      cr[r] += dw * as;
-    }
-  }
-  for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]) - cr[r];
-}
-
 // Q8_0 rows against a tile of tokens with VNNI: the weights' magnitudes and signs taken once per
 // block for all the tokens, the sign moved onto each token's activations (as in
 // dot_q8_0_rows_avx512), one vpdpbusd per plane. Without it a prompt read each row once per token.
@@ -687,7 +697,7 @@ HS_AVX512 static inline void dot_q8_0_tokens_vnni(const void* row, const ActQ8* 
 template <int64_t QT>
 HS_AVX512 static inline float dot_q45_0_vnni(const void* row, const ActQ8* a, int64_t nb) {
   float out;
-  dot_q45_0_rows_vnni<QT, 1>(&row, a, nb, &out);
+  isa_vnni::dot_q45_0_rows<QT, 1>(&row, a, nb, &out);
   return out;
 }
 HS_AVX512 static inline float dot_q4_0_avx512(const void* row, const ActQ8* a, int64_t nb) {

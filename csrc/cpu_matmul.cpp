@@ -152,7 +152,7 @@ inline void prefetch_bytes(const char* p, int64_t n, int mode) {
     for (int64_t off = 0; off < n; off += 64) __builtin_prefetch(p + off, 0, 3);
 }
 
-// Rows (float16, Q8_0, Q4_0, Q5_0; AVX-512) one thread streams side by side for one token when fewer
+// Rows (float16, Q8_0, Q4_0, Q5_0; AVX-512 or AVX2) one thread streams side by side for one token when fewer
 // than half a weight's rows are listed: neurons in the fused FFN, rows in the row-dot (HS_FFN_ROWS: 1,
 // 2 or 4, default 4; read per call like HS_FUSED_FFN). Scattered rows one at a time leave the memory
 // idle (dev VM, 10% of 13824 rows, 2 threads: 1.4-1.7x); consecutive rows, which the hardware
@@ -177,42 +177,34 @@ using DotRows = void (*)(const void* const*, const float*, int64_t, float*);
 using DotRowsQ8 = void (*)(const void* const*, const ActQ8*, int64_t, float*);
 
 #ifdef HS_X86
-// Whether a type has such a kernel on this CPU.
+// Whether a type has such a kernel on this CPU (AVX-512 VNNI, else AVX2).
 bool has_dot_rows(int64_t qtype) {
-  return cpu_has_avx512() && (qtype == F16 || qtype == Q8_0 || qtype == Q4_0 || qtype == Q5_0);
+  return cpu_has_avx2() && (qtype == F16 || qtype == Q8_0 || qtype == Q4_0 || qtype == Q5_0);
 }
-// the dots of n_rows rows side by side, n_rows in {1, 2, 4, 8}: float16 rows against x, Q8_0/Q4_0/
-// Q5_0 rows against the quantized x (null for other types)
+// the kernel of R side-by-side rows, R in {1, 2, 4, 8} (others: 1), from a family templated on R
+#define HS_PICK_ROWS(kernel) \
+  (n_rows == 2 ? kernel<2> : n_rows == 4 ? kernel<4> : n_rows == 8 ? kernel<8> : kernel<1>)
+// the dots of n_rows rows side by side: float16 rows against x, Q8_0/Q4_0/Q5_0 rows against the
+// quantized x (null for other types)
 DotRows pick_dot_rows(int n_rows) {
-  switch (n_rows) {
-    case 2: return dot_f16_rows_avx512<2>;
-    case 4: return dot_f16_rows_avx512<4>;
-    case 8: return dot_f16_rows_avx512<8>;
-    default: return dot_f16_rows_avx512<1>;
-  }
+  return cpu_has_avx512() ? HS_PICK_ROWS(dot_f16_rows_avx512) : HS_PICK_ROWS(dot_f16_rows_avx2);
 }
-template <int64_t QT>
-DotRowsQ8 pick_dot_rows_q45(int n_rows) {
-  switch (n_rows) {
-    case 2: return dot_q45_0_rows_vnni<QT, 2>;
-    case 4: return dot_q45_0_rows_vnni<QT, 4>;
-    case 8: return dot_q45_0_rows_vnni<QT, 8>;
-    default: return dot_q45_0_rows_vnni<QT, 1>;
-  }
-}
+template <int R>
+HS_AVX512 void dot_q4_0_rows_vnni(const void* const* r, const ActQ8* a, int64_t nb, float* o) { isa_vnni::dot_q45_0_rows<Q4_0, R>(r, a, nb, o); }
+template <int R>
+HS_AVX512 void dot_q5_0_rows_vnni(const void* const* r, const ActQ8* a, int64_t nb, float* o) { isa_vnni::dot_q45_0_rows<Q5_0, R>(r, a, nb, o); }
+template <int R>
+HS_AVX2 void dot_q4_0_rows_avx2(const void* const* r, const ActQ8* a, int64_t nb, float* o) { isa_avx2::dot_q45_0_rows<Q4_0, R>(r, a, nb, o); }
+template <int R>
+HS_AVX2 void dot_q5_0_rows_avx2(const void* const* r, const ActQ8* a, int64_t nb, float* o) { isa_avx2::dot_q45_0_rows<Q5_0, R>(r, a, nb, o); }
 DotRowsQ8 pick_dot_rows_q8(int64_t qtype, int n_rows) {
-  if (qtype == Q4_0) return pick_dot_rows_q45<Q4_0>(n_rows);
-  if (qtype == Q5_0) return pick_dot_rows_q45<Q5_0>(n_rows);
-  if (qtype == Q8_0) {
-    switch (n_rows) {
-      case 2: return dot_q8_0_rows_avx512<2>;
-      case 4: return dot_q8_0_rows_avx512<4>;
-      case 8: return dot_q8_0_rows_avx512<8>;
-      default: return dot_q8_0_rows_avx512<1>;
-    }
-  }
+  const bool vnni = cpu_has_avx512();
+  if (qtype == Q4_0) return vnni ? HS_PICK_ROWS(dot_q4_0_rows_vnni) : HS_PICK_ROWS(dot_q4_0_rows_avx2);
+  if (qtype == Q5_0) return vnni ? HS_PICK_ROWS(dot_q5_0_rows_vnni) : HS_PICK_ROWS(dot_q5_0_rows_avx2);
+  if (qtype == Q8_0) return vnni ? HS_PICK_ROWS(dot_q8_0_rows_avx512) : HS_PICK_ROWS(dot_q8_0_rows_avx2);
   return nullptr;
 }
+#undef HS_PICK_ROWS
 #endif
 }  // namespace
 

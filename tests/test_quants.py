@@ -190,6 +190,26 @@ def test_other_cpu_paths_match_twin(path):
     assert float(r.stdout.strip().splitlines()[-1]) < 1e-5
 
 
+@needs_kernels
+def test_avx2_rows_side_by_side_match_twin():
+    """On the AVX2 path (CPUs without AVX-512) the one-token FFN and row-dot also stream rows side by
+    side (F16, Q8_0, Q4_0, Q5_0 kernels of their own): the side-by-side, gate-first and claimed-share
+    tests of test_sparse_ops.py, rerun in a process forced onto that path."""
+    import os
+    import platform
+    import subprocess
+    import sys
+    from pathlib import Path
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("x86 only")
+    here = Path(__file__).parent
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(here / "test_sparse_ops.py"),
+                        "-k", "side_by_side or gate_first or claimed_shares or rowdot"], capture_output=True, text=True,
+                       timeout=600, env={**os.environ, "HS_CPU_PATH": "avx2"}, cwd=here.parent)
+    assert r.returncode == 0, r.stdout[-3000:]
+    assert " passed" in r.stdout and " failed" not in r.stdout
+
+
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K])
 def test_transposed_k_quant_rows_use_the_twin(qtype):
     """ffn_down_t in a K-quant has no compiled axpy: matmul_t must fall back, not raise."""

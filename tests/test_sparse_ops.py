@@ -116,7 +116,7 @@ def test_sparse_ffn(activation, gated, act_on_up, qtype, which, tokens):
 @pytest.mark.parametrize("qtype", [Q.F16, Q.Q8_0, Q.Q4_0, Q.Q5_0])
 @pytest.mark.parametrize("activation,gated,act_on_up", [("relu", True, False), ("relu", False, False), ("silu", True, False)])
 def test_sparse_ffn_rows_side_by_side(rows, qtype, activation, gated, act_on_up, monkeypatch):
-    """HS_FFN_ROWS: the decode FFN streaming 1, 2 or 4 neurons' rows at once (AVX-512) gives the
+    """HS_FFN_ROWS: the decode FFN streaming 1, 2 or 4 neurons' rows at once (AVX-512 or AVX2) gives the
     twin's answer, for a float16 row length with a tail (96 = 3 x 32) and a neuron count per thread
     that is not a multiple of the group."""
     monkeypatch.setenv("HS_FFN_ROWS", rows)
