@@ -617,11 +617,11 @@ bool sparse_ffn_fused_cpu(const at::Tensor& x, const at::Tensor& up, int64_t up_
   const int side_by_side =
       (T == 1 && !masked && 2 * M < up.size(0) && has_dot_rows(up_type)) ? ffn_rows() : 1;
   // A ReLU gate that does not fire zeroes its neuron whatever the up row gives: one row at a time
-  // (several tokens, or many rows listed), the gate row is read first and the up row only where it fired. Predictors that over-predict (to keep
-  // recall) list neurons that do not fire; each of those then costs one row instead of two (dev VM,
-  // 70B Q4_0 rows, 25% listed, 2 threads: 1.04x / 1.09x / 1.16x with 0 / 20 / 40% of them not firing;
-  // F16 1.02-1.23x). Rows side by side keep both: split into a gate pass and an up pass they lost
-  // 0.86-0.99x. HS_GATE_FIRST=0: both rows always.
+  // (several tokens, or many rows listed), the gate row is read first and the up row only where it
+  // fired. Predictors that over-predict (to keep recall) list neurons that do not fire; each of those
+  // then costs one row instead of two (dev VM, 70B Q4_0 rows, 25% listed, 2 threads: 1.04x / 1.09x /
+  // 1.16x with 0 / 20 / 40% of them not firing; F16 1.02-1.23x). Rows side by side keep both: split
+  // into a gate pass and an up pass they lost 0.86-0.99x. HS_GATE_FIRST=0: both rows always.
   const bool gate_first = gated && act == 1 && gate_first_enabled();
   // at least 8 neurons a thread: fewer is not worth waking a thread for
   const int n_threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads(), M / 8)));

@@ -134,7 +134,9 @@ def hybrid_options(args, model_path):
     """HybridOptions from the flags, or None for the dense runtime (-ngl)."""
     from pathlib import Path
 
-    from .hybrid import PREFILL_TOKENS, HybridOptions, load_predictors_available
+    from hybridsparse.solver.plan import PREFILL_TOKENS, check_ubatch
+
+    from .hybrid import HybridOptions, load_predictors_available
     sparsity = getattr(args, "sparsity", None)
     ubatch = getattr(args, "ubatch_size", None)
     asked = (args.vram_budget is not None or args.reset_gpu_index or args.disable_gpu_index or args.dense
@@ -149,8 +151,8 @@ def hybrid_options(args, model_path):
         return None
     if args.vram_budget is not None and args.vram_budget < 0:
         raise ValueError(f"--vram-budget must be >= 0 GiB, got {args.vram_budget}")
-    if ubatch is not None and ubatch < 1:
-        raise ValueError(f"-ub {ubatch}: expected at least 1 prompt token per pass")
+    if ubatch is not None:
+        check_ubatch(ubatch)
     mode = "dense" if args.dense else "oracle" if args.oracle or sparsity is not None else "predictor"
     return HybridOptions(vram_budget=args.vram_budget, mode=mode, sparsity=sparsity, predictors=args.predictors,
                          profile=args.profile,

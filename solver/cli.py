@@ -17,7 +17,8 @@ from hybridsparse.runtime.cli import run_main
 from hybridsparse.runtime.errors import InputError, ModelError
 
 from .gpuidx import default_index_path, model_fingerprint, read_index, stale_reason, write_index
-from .plan import GiB, PREFILL_TOKENS, SOLVER_VERSION, Hardware, LayerShape, Problem, activation_bytes, solve
+from .plan import (GiB, PREFILL_TOKENS, SOLVER_VERSION, Hardware, LayerShape, Problem, activation_bytes,
+                   check_ubatch, solve)
 
 FFN_PARTS = ("ffn_up", "ffn_gate", "ffn_down")
 
@@ -197,8 +198,7 @@ def _main(args) -> int:
         raise InputError(f"{model}: no such model file")
     profile_dir = Path(args.profile) if args.profile else model.with_name(model.stem + ".hs-profile")
     budget_gib = args.vram_budget if args.vram_budget is not None else default_budget_gib()
-    if args.ubatch_size < 1:
-        raise InputError(f"-ub {args.ubatch_size}: expected at least 1 prompt token per pass")
+    check_ubatch(args.ubatch_size)
     ensure_index(model, profile_dir, int(budget_gib * GiB), args.ctx_size, args.group, args.ubatch_size, args.reset_gpu_index,
                  lambda: measure_hardware(args), args.time_limit, args.greedy,
                  Path(args.index) if args.index else None, args.json)

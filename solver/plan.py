@@ -184,6 +184,13 @@ def evaluate(problem: Problem, plan: Plan) -> dict:
             "head_gpu": plan.head_gpu, "layers": per_layer}
 
 
+def check_ubatch(tokens: int) -> None:
+    """-ub as hs-run and hs-solve take it: at least one prompt token per pass."""
+    from hybridsparse.runtime.errors import InputError
+    if tokens < 1:
+        raise InputError(f"-ub {tokens}: expected at least 1 prompt token per pass")
+
+
 def check_budget(problem: Problem) -> None:
     from hybridsparse.runtime.errors import InputError
     need = problem.fixed_vram()
