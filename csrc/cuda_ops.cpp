@@ -29,6 +29,8 @@ int attention_max_head_dim();
 int attention_max_kv();
 void launch_rms_norm(const float* x, const float* w, float* y, int64_t rows, int64_t D, float eps,
                      cudaStream_t stream);
+void launch_layer_norm(const float* x, const float* w, const float* b, float* y, int64_t rows, int64_t D, float eps,
+                       cudaStream_t stream);
 void launch_gated_act(const float* g, int64_t sg, const float* u, int64_t su, float* y, int64_t T, int64_t N,
                       int act, bool act_on_up, cudaStream_t stream);
 
@@ -177,6 +179,21 @@ at::Tensor rms_norm_cuda(const at::Tensor& x, const at::Tensor& w, double eps) {
   return y;
 }
 
+at::Tensor layer_norm_cuda(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& b, double eps) {
+  const int64_t D = x.size(-1);
+  HS_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat && x.is_contiguous() &&
+           w.is_contiguous() && w.dim() == 1 && D == w.size(0) && w.device() == x.device() &&
+           (!b || (b->scalar_type() == at::kFloat && b->is_contiguous() && b->dim() == 1 && b->size(0) == D &&
+                   b->device() == x.device())),
+           "layer_norm (CUDA): float32, matching sizes, one device");
+  const c10::cuda::CUDAGuard guard(x.device());
+  auto y = at::empty_like(x);
+  launch_layer_norm(x.data_ptr<float>(), w.data_ptr<float>(), b ? b->data_ptr<float>() : nullptr, y.data_ptr<float>(),
+                    D ? x.numel() / D : 0, D, static_cast<float>(eps), c10::cuda::getCurrentCUDAStream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return y;
+}
+
 at::Tensor gated_act_cuda(const at::Tensor& gate, const at::Tensor& up, int64_t act, bool act_on_up) {
   HS_CHECK(gate.dim() == 2 && gate.sizes() == up.sizes() && gate.stride(1) == 1 && up.stride(1) == 1 &&
            gate.scalar_type() == at::kFloat && up.scalar_type() == at::kFloat && act >= 0 && act <= 3,
@@ -200,6 +217,7 @@ TORCH_LIBRARY_IMPL(hybridsparse, CUDA, m) {
   m.impl("rope_", &hs::rope_cuda);
   m.impl("attention", &hs::attention_cuda);
   m.impl("rms_norm", &hs::rms_norm_cuda);
+  m.impl("layer_norm", &hs::layer_norm_cuda);
   m.impl("gated_act", &hs::gated_act_cuda);
 }
 #endif  // HS_WITH_CUDA

@@ -55,6 +55,7 @@ TORCH_LIBRARY(hybridsparse, m) {
   m.def("qmatmul(Tensor w, int qtype, Tensor x) -> Tensor");
   m.def("qmatmul_t(Tensor w, int qtype, Tensor h) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
+  m.def("layer_norm(Tensor x, Tensor w, Tensor? b, float eps) -> Tensor");  // CUDA only (CPU: torch's)
   m.def("rope_(Tensor(a!) x, Tensor cos, Tensor sin, bool neox) -> ()");
   m.def("attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor positions, "
         "int kv_len, int window, float scale) -> Tensor");

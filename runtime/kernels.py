@@ -404,6 +404,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return rms_norm_reference(x, weight, eps)
 
 
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """torch's layer norm, through the compiled kernel on CUDA (one block per row: torch's took ~15 us
+    for one token's row of 8192)."""
+    ts = (x, weight) if bias is None else (x, weight, bias)
+    if x.is_cuda and use_cuda_op(*ts) and all(t.dim() == 1 and t.shape[0] == x.shape[-1] for t in ts[1:]):
+        return ops().layer_norm(x.contiguous(), weight.contiguous(), None if bias is None else bias.contiguous(), eps)
+    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+
+
 ACTIVATION_IDS = {"silu": 0, "relu": 1, "gelu": 2, "gelu_erf": 3}
 
 

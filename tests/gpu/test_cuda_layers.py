@@ -93,6 +93,18 @@ def test_rms_norm(D):
                                rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("D", [8192, 2048, 100])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_layer_norm(D, with_bias):
+    """The compiled layer norm (Falcon, OPT) against torch's, rows with a large common offset too
+    (the mean is taken out before the variance)."""
+    x = torch.randn(3, D, device="cuda") * 4 + torch.tensor([[0.0], [50.0], [-3.0]], device="cuda")
+    w, b = torch.randn(D, device="cuda"), (torch.randn(D, device="cuda") if with_bias else None)
+    ref = torch.nn.functional.layer_norm(x, (D,), w, b, 1e-5)
+    torch.testing.assert_close(kernels.layer_norm(x, w, b, 1e-5), ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(kernels.layer_norm(x.cpu(), w.cpu(), None if b is None else b.cpu(), 1e-5), ref.cpu())
+
+
 @pytest.mark.parametrize("activation,act_on_up", [("silu", False), ("relu", False), ("relu", True), ("gelu", False),
                                                   ("gelu_erf", False)])
 def test_gated_act(activation, act_on_up):
