@@ -1,10 +1,13 @@
 """One sequence's generation: batched prefill, decode with the KV cache, stop rules, timings.
 
-On CUDA, when every layer is on the GPU (hybrid layers included: their CPU part is a host node of
+On CUDA, when every layer is on the GPU (hybrid layers included: their CPU part is handed over by
 the stream), each decode step replays a captured CUDA graph (one per power-of-two range of context
-length), so a step costs one launch instead of hundreds. When the graph holds CPU work (host nodes),
-this thread then sleeps until the step is done (a blocking-sync event) instead of spinning in the
-copy of the logits: the CPU's cores are the cold FFN's (HS_GRAPH_WAIT=spin: the spinning wait).
+length), so a step costs one launch instead of hundreds. A hybrid layer's CPU part is a host node
+on the driver's thread, or with HS_HANDOVER=poll served by this thread: the layer's kernels hand x
+and the cold mask over through pinned memory and wait for the answer (runtime/kernels.py
+polled_handover). This thread then sleeps until the step is done (a blocking-sync event) instead of
+spinning in the copy of the logits: the CPU's cores are the cold FFN's (HS_GRAPH_WAIT=spin: the
+spinning wait).
 """
 
 from __future__ import annotations
@@ -87,11 +90,12 @@ class _DecodeGraphs:
                 self._step(b)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
+            with kernels.polled_handover() as tasks, torch.cuda.graph(graph, pool=self.pool):
                 out = self._step(b)
-            self.graphs[b] = (graph, out)
-        graph, out = self.graphs[b]
+            self.graphs[b] = (graph, out, tasks)
+        graph, out, tasks = self.graphs[b]
         graph.replay()
+        kernels.serve_polled(tasks)  # the hybrid layers' CPU parts, on this thread, as the GPU reaches them
         if self.done is not None and os.environ.get("HS_GRAPH_WAIT", "block") != "spin":
             self.done.record()
             self.done.synchronize()

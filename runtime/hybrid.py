@@ -410,11 +410,14 @@ class HybridFFN:
         main, side = torch.cuda.current_stream(dev), _side_stream(dev)
         side.wait_stream(main)
         with torch.cuda.stream(side):
-            t["xh"].copy_(x, non_blocking=True)
-            if src is not None:
-                t["mh"].copy_(src, non_blocking=True)
-            kernels.cpu.cold_ffn_enqueue(t["handle"])
-            t["yd"].copy_(t["yh"], non_blocking=True)
+            if kernels.polling():  # a captured step: the GPU writes x and the mask itself, polls for y
+                kernels.enqueue_polled(t["handle"], x.float().contiguous(), src, t["yd"], t["counter"])
+            else:
+                t["xh"].copy_(x, non_blocking=True)
+                if src is not None:
+                    t["mh"].copy_(src, non_blocking=True)
+                kernels.cpu.cold_ffn_enqueue(t["handle"])
+                t["yd"].copy_(t["yh"], non_blocking=True)
         y = None
         if self.n_hot:
             mh = None if mask is None else torch.index_select(mask, 1, self._ids(self._hot_on, dev))
@@ -493,6 +496,8 @@ class HybridFFN:
                 t["xh"], t["mh"], self.cold_ids, t["yh"], w.up.data, w.up.qtype,
                 None if w.gate is None else w.gate.data, (w.gate or w.up).qtype, self.down_t.data,
                 self.down_t.qtype, w.up_bias, self.spec.activation, self.spec.act_on_up)
+            t["sync"], t["counter"] = _pinned((4,), torch.int64).zero_(), torch.zeros(1, dtype=torch.int64, device=dev)
+            kernels.cpu.cold_ffn_attach_sync(t["handle"], t["sync"])
             self._task = t
         return self._task
 

@@ -56,6 +56,17 @@ def _slice_rows(data: torch.Tensor, qtype: Q) -> int:
 # so a step is queued (or replayed as a CUDA graph) without the Python thread waiting per layer.
 # HS_HOST_NODES=0 uses the event-synchronised path instead, for side-by-side benchmarks.
 HOST_NODES = os.environ.get("HS_HOST_NODES", "1") != "0"
+# HS_HANDOVER=poll: inside a captured decode step the hand-over is polled instead of a host node
+# (csrc/cuda_handover.cu): the graph's kernels write x and the mask to pinned memory and wait for y;
+# the thread that replays the graph serves the layers' tasks in order (serve_polled). A host node left
+# the GPU idle ~215 us per layer even with no CPU work (S1, H100: a step without CPU work 32.6 ms with
+# host nodes, 19.5 ms polled). With the CPU work the one side-by-side run so far, on a host whose CPU
+# part was slow and noisy, says nothing yet: polled 213 ms a token, host nodes 145 and, later in the same
+# process, 201. Host nodes stay the default until a run in alternating order says which is faster.
+HANDOVER = os.environ.get("HS_HANDOVER", "node")
+# How long either side of a polled hand-over waits for the other before giving up with an error.
+HANDOVER_TIMEOUT_S = float(os.environ.get("HS_HANDOVER_TIMEOUT_S", "30"))
+_polled_tasks: list[int] | None = None  # while a decode step is captured: its polled tasks, in order
 # Prefill on the CPU: from this many tokens per call, a slice of rows dequantized to float32 (compiled,
 # csrc/dequant.cpp) and torch's GEMM beat the compiled per-row dot products (the dequantization is paid
 # once for all the tokens). Gemma 3 270M Q4_K_M, 2 threads of the dev VM: alone in a process, a
@@ -562,6 +573,43 @@ def sparse_ffn_masked(x, up, up_type, gate, gate_type, down_t, down_type, idx, m
                                      ACTIVATION_IDS[activation], act_on_up)
     return sparse_ffn_masked_reference(x, up, up_type, gate, gate_type, down_t, down_type, idx, mask, up_bias,
                                        activation, act_on_up)
+
+
+class polled_handover:
+    """`with polled_handover() as tasks:` around a CUDA graph's capture: the hybrid layers captured
+    inside hand over to the CPU by polling, and `tasks` lists their tasks in order; whoever replays
+    the graph must then call serve_polled(tasks) (or the GPU waits HANDOVER_TIMEOUT_S for each layer).
+    Outside (eager steps) and unless HS_HANDOVER=poll, hybrid layers use host nodes."""
+
+    def __enter__(self) -> list[int]:
+        global _polled_tasks
+        self.outer, self.tasks = _polled_tasks, []
+        if HANDOVER == "poll" and host_nodes_available():
+            _polled_tasks = self.tasks
+        return self.tasks
+
+    def __exit__(self, *exc):
+        global _polled_tasks
+        _polled_tasks = self.outer
+
+
+def polling() -> bool:
+    """Whether a hybrid layer queued now hands over by polling (inside polled_handover)."""
+    return _polled_tasks is not None
+
+
+def enqueue_polled(task: int, x: torch.Tensor, mask: torch.Tensor | None, y: torch.Tensor,
+                   counter: torch.Tensor) -> None:
+    """The task's polled hand-over on the current stream (see polled_handover), listed for serving."""
+    cpu.cold_ffn_enqueue_polled(task, x, mask, y, counter, HANDOVER_TIMEOUT_S)
+    _polled_tasks.append(task)
+
+
+def serve_polled(tasks: list[int]) -> None:
+    """Run one replay's polled tasks on this thread as the GPU hands them over; raise what they met."""
+    if tasks:
+        cpu.cold_ffn_serve(tasks, HANDOVER_TIMEOUT_S)
+        raise_host_errors()
 
 
 def host_nodes_available() -> bool:

@@ -367,6 +367,82 @@ def test_cold_ffn_task_pool(n_threads, monkeypatch):
         torch.set_num_threads(before)
 
 
+def test_cold_ffn_serve_polled_handover():
+    """The polled hand-over's CPU side (cold_ffn_serve; csrc/cuda_handover.cu is the GPU's): a thread
+    standing in for the GPU writes x and the mask, bumps a layer's flag word and waits for its done
+    word; serve runs two layers' tasks in order, one step per call, each answer the fused FFN of that
+    step's x. A flag that never comes, and a GPU side that gave up, end the serve with a one-line error
+    instead of a hang."""
+    import threading
+    import time
+    d, n_ff, qtype = 64, N_ROWS, Q.F16
+    g = torch.Generator().manual_seed(11)
+    layers = []
+    for seed in (1, 2):
+        up, gate, down_t = (random_rows(qtype, n_ff, d, seed=seed * 10 + s) for s in (1, 2, 3))
+        ids = torch.randperm(n_ff, generator=g)[:40].int()
+        x, y, mask = torch.zeros(1, d), torch.zeros(1, d), torch.zeros(1, ids.numel(), dtype=torch.bool)
+        task = kernels.cold_ffn_task(x, mask, ids, y, up, qtype, gate, qtype, down_t, qtype, None, "silu", False)
+        sync = torch.zeros(4, dtype=torch.int64)
+        kernels.cpu.cold_ffn_attach_sync(task, sync)
+        layers.append(dict(task=task, sync=sync, x=x, y=y, mask=mask, w=(up, gate, down_t), ids=ids))
+    seen, errors = [], []
+
+    def gpu(steps):
+        try:
+            for step in range(1, steps + 1):
+                for L in layers:
+                    xs = torch.randn(1, d, generator=g)
+                    ms = torch.rand(1, L["ids"].numel(), generator=g) < 0.5
+                    L["x"].copy_(xs)
+                    L["mask"].copy_(ms)
+                    L["sync"][0] = step
+                    t0 = time.monotonic()
+                    while int(L["sync"][1]) != step:
+                        assert time.monotonic() - t0 < 10, "no answer"
+                        time.sleep(1e-4)
+                    seen.append((L, xs, ms, L["y"].clone()))
+        except AssertionError as e:
+            errors.append(e)
+
+    try:
+        t = threading.Thread(target=gpu, args=(3,))
+        t.start()
+        for _ in range(3):
+            assert kernels.cpu.cold_ffn_serve([L["task"] for L in layers], 10.0) == 2
+        t.join()
+        assert not errors and len(seen) == 6 and kernels.cpu.cold_ffn_error() == ""
+        for L, xs, ms, ys in seen:
+            up, gate, down_t = L["w"]
+            active = L["ids"][ms[0]]
+            ref, _ = kernels.sparse_ffn(xs, up, qtype, gate, qtype, down_t, qtype, active, None, "silu", False)
+            torch.testing.assert_close(ys, ref, rtol=1e-4, atol=1e-4)
+        # no flag: the first layer times out, nothing runs, the error says what happened
+        t0 = time.monotonic()
+        assert kernels.cpu.cold_ffn_serve([L["task"] for L in layers], 0.05) == 0
+        assert time.monotonic() - t0 < 5
+        assert "did not hand over a hybrid layer in time" in kernels.cpu.cold_ffn_error()
+        layers[1]["sync"][2] = 4  # the GPU's time-out mark on the second layer
+        layers[0]["sync"][0] = 4
+        assert kernels.cpu.cold_ffn_serve([L["task"] for L in layers], 1.0) == 1
+        with pytest.raises(RuntimeError, match="GPU stopped waiting"):
+            kernels.raise_host_errors()
+        L = layers[0]
+        up, gate, down_t = L["w"]
+        bare = kernels.cold_ffn_task(L["x"], L["mask"], L["ids"], L["y"], up, qtype, gate, qtype, down_t, qtype,
+                                     None, "silu", False)
+        try:
+            assert kernels.cpu.cold_ffn_serve([bare], 1.0) == 0
+            assert "without hand-over words" in kernels.cpu.cold_ffn_error()
+            with pytest.raises(RuntimeError, match="int64 \\[4\\]"):
+                kernels.cpu.cold_ffn_attach_sync(bare, torch.zeros(3, dtype=torch.int64))
+        finally:
+            kernels.cpu.cold_ffn_free(bare)
+    finally:
+        for L in layers:
+            kernels.cpu.cold_ffn_free(L["task"])
+
+
 def test_spin_pool():
     """csrc/pool.cpp directly: every task runs exactly once (each adds its own bit) for pool sizes that
     grow and shrink, from this thread and another; an exception in a task (the caller's or a pool

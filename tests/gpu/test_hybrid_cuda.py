@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -71,11 +72,14 @@ def _generator_run(model, ids, feed):
 
 @pytest.mark.parametrize("name", ["llama-swiglu", "gemma3", "opt", "falcon-40b-relu"])
 @pytest.mark.parametrize("head_fast", [True, False])
-def test_host_node_decode_in_cuda_graphs_equals_dense_on_cuda(name, head_fast, tmp_path, monkeypatch):
+@pytest.mark.parametrize("handover", ["node", "poll"])
+def test_host_node_decode_in_cuda_graphs_equals_dense_on_cuda(name, head_fast, handover, tmp_path, monkeypatch):
     """Dense mode with a neuron split, every attention on the GPU: each layer's cold part runs as a
-    host node of the stream and the whole step is replayed as a CUDA graph (head inside or outside);
-    the logits match the all-GPU dense model's, and the event-synchronised path's."""
+    host node of the stream (or through the polled hand-over) and the whole step is replayed as a CUDA
+    graph (head inside or outside); the logits match the all-GPU dense model's, and the
+    event-synchronised path's."""
     from hybridsparse.runtime import kernels
+    monkeypatch.setattr(kernels, "HANDOVER", handover)
     _, dense = build_case(name, tmp_path, dtype="f16")  # a type the compiled CPU FFN reads (F32: the twins)
     path = dense.gguf.path
     dense.place(dense.config.n_layers + 1, torch.device("cuda"))
@@ -140,6 +144,59 @@ def tiny_profiled(tmp_path_factory):
     path = tiny_llama(d / "tiny.gguf", act="relu", layers=3)
     write_synthetic_activity(path, 3, 64, 128, 0.2, 0.3, 16)
     return path
+
+
+def test_polled_handover_equals_host_nodes_and_events(tmp_path, monkeypatch):
+    """Predictor mode (a cold mask per token) with a neuron split, every attention on the GPU: the
+    captured step's polled hand-over (csrc/cuda_handover.cu, one task per layer served by this thread)
+    gives the logits of host nodes in the graph and of the event path. A graph replayed without anyone
+    serving it does not hang: the GPU gives up after one time-out and the next serve says so."""
+    from hybridsparse.runtime import kernels
+    from hybridsparse.runtime.generate import Generator
+    path = tiny_llama(tmp_path / "tiny-f16.gguf", act="relu", layers=3, dtype="f16")  # F16: the compiled CPU FFN
+    write_synthetic_activity(path, 3, 64, 128, 0.2, 0.3, 16)
+    ids = torch.randint(0, 64, (5,), generator=torch.Generator().manual_seed(4)).tolist()
+    feed = torch.randint(0, 64, (6,), generator=torch.Generator().manual_seed(6)).tolist()
+    runs = {}
+    for handover, host_nodes in (("poll", True), ("node", True), ("poll", False)):
+        monkeypatch.setattr(kernels, "HANDOVER", handover)
+        monkeypatch.setattr(kernels, "HOST_NODES", host_nodes)
+        model = load_model(GGUFFile(path))
+        c = model.config
+        rng = np.random.default_rng(8)
+        hot = [np.sort(rng.choice(c.n_ff, c.n_ff // 3, replace=False)) for _ in range(c.n_layers)]
+        setup_hybrid(model, path, HybridOptions(mode="predictor", device="cuda", hot=hot,
+                                                        attn_fast=[True] * c.n_layers, head_fast=True),
+                     log_line=lambda *_: None)
+        gen = Generator(model, None, 64)
+        with torch.inference_mode():
+            gen.eval(ids)
+            out = torch.stack([gen.eval([tok]).float().cpu() for tok in feed])
+            torch.cuda.synchronize()
+            kernels.raise_host_errors()
+        graphs = gen._graphs.graphs if gen._graphs is not None else {}
+        assert bool(graphs) == host_nodes
+        tasks = [t for _, _, t in graphs.values()]
+        assert all(len(t) == (c.n_layers if handover == "poll" else 0) for t in tasks), (handover, tasks)
+        runs[(handover, host_nodes)] = out
+    ref = runs[("poll", False)]
+    for key, out in runs.items():
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4 * max(1.0, ref.abs().max().item()), msg=str(key))
+
+    monkeypatch.setattr(kernels, "HANDOVER", "poll")
+    monkeypatch.setattr(kernels, "HOST_NODES", True)
+    monkeypatch.setattr(kernels, "HANDOVER_TIMEOUT_S", 0.2)  # baked into the graph at capture
+    with torch.inference_mode():
+        gen = Generator(model, None, 64)
+        gen.eval(ids)
+        gen.eval([feed[0]])  # eager warm-up, capture, one served replay
+        graph, _, tasks = next(iter(gen._graphs.graphs.values()))
+        t0 = time.perf_counter()
+        graph.replay()  # nobody serves: the first layer's wait gives up after 0.2 s, the others at once
+        torch.cuda.synchronize()
+        assert time.perf_counter() - t0 < 0.2 * len(tasks), "every layer waited out its own time-out"
+        with pytest.raises(RuntimeError, match="GPU stopped waiting"):
+            kernels.serve_polled(tasks)
 
 
 def test_hs_run_oracle_tokens_identical_cpu_hybrid_all_gpu(tiny_profiled):
