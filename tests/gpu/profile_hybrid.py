@@ -5,6 +5,7 @@
   - events-nohg: the same with the hot parts of CPU-attention layers op by op (HS_HOT_GRAPHS=0),
   - graphs with the CPU FFN unfused (HS_FUSED_FFN=0: row-dots, activation and axpy as three passes),
   - skip: graphs with the host nodes doing no work (HS_COLD_SKIP=1: the GPU's part and the hand-overs),
+  - poll / poll-skip: graphs and skip with the polled hand-over instead of host nodes (HS_HANDOVER=poll),
   - static: graphs with the CPU FFN's threads on fixed shares of the neurons (HS_FFN_CHUNK=0),
   - t-1: graphs with the host nodes on one thread less than HS_THREADS,
   - noyield / sleep: the pool's idle threads spin without yielding / sleep at once,
@@ -13,8 +14,14 @@
   - layers: eager steps synchronised after every layer, the time per layer grouped by where its
     attention runs and whether it has hot (GPU) and cold (CPU) neurons, with the host time per part
     (HS_HYBRID_TIMING) of each group,
+  - generate: what `hs-bench hybrid` times: a 64-token prompt, then 32 greedy tokens one graph replay
+    each with argmax in between (the steps above feed fixed tokens after a 4-token prompt),
+  - trace: three graphed steps under torch's profiler (CUDA activity: the kernels inside the graph):
+    the GPU's busy time, its idle gaps grouped by the kernels around them, the kernels by device time
+    (HS_TRACE_SKIP=0: with the CPU work; default without it, the GPU's part alone; HS_TRACE_OUT=FILE:
+    the Chrome trace),
 and torch's profile of two eager steps. HS_PROFILE_MODES=graphs (a comma list of graphs, unfused, eager,
-events, events-nohg, layers, omp, spin, omp-spin, skip, static, t-1, noyield, sleep) runs only those and skips torch's profile
+events, events-nohg, layers, generate, trace, poll, poll-skip, omp, spin, omp-spin, skip, static, t-1, noyield, sleep) runs only those and skips torch's profile
 (unless HS_PROFILE_TORCH=1; HS_PROFILE_ROWS rows of it, by device time on a GPU or by HS_PROFILE_SORT,
 e.g. self_cpu_time_total); HS_THREADS sets the
 thread count (default 16).
@@ -71,6 +78,8 @@ VARIANTS = (("graphs", "graphs + host nodes", True, True, {}),
             ("spin", "the same, spinning wait", True, True, {"HS_GRAPH_WAIT": "spin"}),
             ("omp-spin", "OpenMP + spinning wait", True, True, {"HS_COLD_POOL": "0", "HS_GRAPH_WAIT": "spin"}),
             ("skip", "the same, no CPU work", True, True, {"HS_COLD_SKIP": "1"}),
+            ("poll", "the same, polled hand-over", True, True, {}),
+            ("poll-skip", "polled, no CPU work", True, True, {"HS_COLD_SKIP": "1"}),
             ("static", "the same, fixed shares", True, True, {"HS_FFN_CHUNK": "0"}),
             ("t-1", "the same, one thread less", True, True, {}),
             ("noyield", "the same, pool never yields", True, True, {}),
@@ -88,6 +97,7 @@ for key, label, graphs, nodes, env in VARIANTS:
     kernels.cpu.pool_configure(*{"noyield": (2000, 2000), "sleep": (0, 0)}.get(key, (2000, 50)))
     os.environ.update(env)
     hybrid.HOT_GRAPHS = key != "events-nohg"
+    kernels.HANDOVER = "poll" if key.startswith("poll") else os.environ.get("HS_HANDOVER", "node")
     before = kernels.cpu.cold_ffn_stats()
     dt = decode(graphs, nodes)
     runs, busy, rows = (a - b for a, b in zip(kernels.cpu.cold_ffn_stats(), before))
@@ -101,6 +111,7 @@ for key, label, graphs, nodes, env in VARIANTS:
                f"{rows / steps:.0f} cold rows: {rate:5.1f} GiB/s)")
     print(f"{label:26s} {dt * 1e3:7.1f} ms per token ({1 / dt:6.2f} tok/s){cpu}")
 hybrid.HOT_GRAPHS = True
+kernels.HANDOVER = os.environ.get("HS_HANDOVER", "node")  # generate / trace below: the default hand-over
 if "layers" in modes:  # eager steps, synchronised after every layer: where a step's time goes by layer kind
     kernels.HOST_NODES = True
     groups: dict[str, list[float]] = {}
@@ -138,6 +149,81 @@ if "layers" in modes:  # eager steps, synchronised after every layer: where a st
         line = ", ".join(f"{k} {t / len(v) * 1e3:.2f}" for k, t in sorted(parts[key].items(), key=lambda kv: -kv[1]))
         print(f"  {key:26s} {per:3.0f} layers x {sum(v) / len(v) * 1e3:6.2f} ms = {sum(v) / steps * 1e3:6.1f} ms"
               f"  (per layer: {line})")
+if "generate" in modes:  # the benchmark's loop (runtime/bench.py _hybrid_one), cold rows counted in decode only
+    kernels.HOST_NODES = True
+    gen = Generator(m, lm.tokenizer, 512)
+    base = lm.tokenizer.encode("Once upon a time")
+    prompt = (base * (64 // len(base) + 1))[:64]
+    with torch.inference_mode():
+        for rep in range(2):  # the first is the warm-up (graph capture for this context length)
+            t0 = time.perf_counter()
+            logits = gen.eval(prompt) if rep == 0 else (gen.reset(), gen.eval(prompt))[1]
+            sync()
+            t1 = time.perf_counter()
+            before = kernels.cpu.cold_ffn_stats()
+            for _ in range(32 if rep else 4):
+                logits = gen.eval([int(torch.argmax(logits))])
+            float(logits[0])
+            sync()
+            dt = (time.perf_counter() - t1) / (32 if rep else 4)
+            runs, busy, rows = (a - b for a, b in zip(kernels.cpu.cold_ffn_stats(), before))
+        steps = 32
+        rate = rows * neuron_bytes / (busy / 1e9) / 2**30 if busy else 0.0
+        print(f"{'generate (bench loop)':26s} {dt * 1e3:7.1f} ms per token ({1 / dt:6.2f} tok/s); host nodes "
+              f"{busy / 1e6 / steps:6.1f} ms of it ({runs / steps:.0f} a token, {rows / steps:.0f} cold rows: "
+              f"{rate:5.1f} GiB/s); prefill {64 / (t1 - t0):.1f} tok/s")
+if "trace" in modes and torch.cuda.is_available():  # the graphed step's GPU timeline
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+    kernels.HOST_NODES = True
+    skip = os.environ.get("HS_TRACE_SKIP", "1") == "1"
+    if skip:
+        os.environ["HS_COLD_SKIP"] = "1"
+    gen = Generator(m, lm.tokenizer, 512)
+    with torch.inference_mode():
+        gen.eval([1, 2, 3, 4])
+        for i in range(4):
+            gen.eval([5 + i])
+        sync()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            t = time.perf_counter()
+            for i in range(3):
+                gen.eval([10 + i])
+            sync()
+            wall = (time.perf_counter() - t) / 3
+    os.environ.pop("HS_COLD_SKIP", None)
+    if os.environ.get("HS_TRACE_OUT"):
+        prof.export_chrome_trace(os.environ["HS_TRACE_OUT"])
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                   if e.device_type == DeviceType.CUDA)
+    if not spans:
+        print("trace: no CUDA activity recorded (kernels inside graphs not reported by this CUPTI)")
+    else:
+        busy, gaps, end, prev = 0.0, {}, spans[0][0], spans[0][2]
+        for s0, s1, name in spans:
+            if s0 > end:
+                key = (prev[:48], name[:48])
+                g = gaps.setdefault(key, [0, 0.0])
+                g[0] += 1
+                g[1] += s0 - end
+            busy += max(0.0, s1 - max(s0, end))
+            if s1 > end:
+                end, prev = s1, name
+        span = (end - spans[0][0]) / 3
+        print(f"trace ({'no CPU work' if skip else 'with CPU work'}): {wall * 1e3:.1f} ms a step, the GPU's timeline "
+              f"{span / 1e3:.1f} ms of it, busy {busy / 3 / 1e3:.1f} ms, idle {(span - busy / 3) / 1e3:.1f} ms; "
+              f"{len(spans) / 3:.0f} GPU activities a step")
+        print("  idle gaps by the activities around them (per step: count, ms):")
+        for (a, b), (c, tot) in sorted(gaps.items(), key=lambda kv: -kv[1][1])[:14]:
+            print(f"  {c / 3:6.0f} {tot / 3 / 1e3:7.2f}  {a}  ->  {b}")
+        kinds: dict[str, list] = {}
+        for s0, s1, name in spans:
+            k = kinds.setdefault(name[:72], [0, 0.0])
+            k[0] += 1
+            k[1] += s1 - s0
+        print("  activities by device time (per step: count, ms, us each):")
+        for name, (c, tot) in sorted(kinds.items(), key=lambda kv: -kv[1][1])[:16]:
+            print(f"  {c / 3:6.0f} {tot / 3 / 1e3:7.2f} {tot / c:7.1f}  {name}")
 if hybrid.TIMING:
     print("host time per token by part (events path):")
     for k, v in sorted(hybrid.TIMING.items(), key=lambda kv: -kv[1]):
