@@ -334,6 +334,18 @@ class HybridFFN:
             y = x.new_zeros(x.shape[0], self.down_t.in_features)
         return self._plus_down_bias(y)
 
+    def start(self, x: torch.Tensor):
+        """This FFN of x as a function giving its output (layers.ffn_start): one token on CUDA with a
+        cold part queues it now (side stream, host node or polled hand-over) and joins it only when the
+        function is called, so that work queued in between on this stream (Falcon's parallel attention)
+        runs on the GPU while the CPU computes; otherwise computed now."""
+        if self.n_cold and x.is_cuda and x.shape[0] == 1 and self._host_nodes():
+            with _timed("predictor"):
+                mask = self.active(x)
+            return self._decode_host_node(x, mask, join_later=True)
+        y = self(x)
+        return lambda: y
+
     @property
     def _neuron_bytes(self) -> int:
         return sum(q.row_bytes for q in self._cold_mats())
@@ -398,10 +410,11 @@ class HybridFFN:
             self._bias_on[("cold", self.fast)] = self.full.up_bias[self._cold_on[torch.device("cpu")]].to(self.fast)
         return self._bias_on[("cold", self.fast)]
 
-    def _decode_host_node(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    def _decode_host_node(self, x: torch.Tensor, mask: torch.Tensor | None, join_later: bool = False):
         """One token on CUDA with no host wait: on a side stream, x and the cold mask go to pinned
         buffers, a host node runs the cold FFN on the CPU (csrc/cold_ffn.cpp), its output comes back;
-        the hot rows run on the main stream meanwhile. Capturable in a CUDA graph."""
+        the hot rows run on the main stream meanwhile. Capturable in a CUDA graph. join_later: a
+        function that joins the side stream and gives the output (see start)."""
         dev = x.device
         t = self._host_task(dev)
         src = None
@@ -422,8 +435,11 @@ class HybridFFN:
         if self.n_hot:
             mh = None if mask is None else torch.index_select(mask, 1, self._ids(self._hot_on, dev))
             y = self._hot(x, mh)
-        main.wait_stream(side)
-        return self._plus_down_bias(t["yd"] + (0 if y is None else y))
+
+        def join() -> torch.Tensor:
+            main.wait_stream(side)
+            return self._plus_down_bias(t["yd"] + (0 if y is None else y))
+        return join if join_later else join()
 
     def _hot_part(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor | None:
         """The active hot neurons' output on the fast device (x and the mask are sent there if they are

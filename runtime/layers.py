@@ -6,6 +6,7 @@ Activations are float32 [tokens, features]; weights are `QWeight`s applied throu
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -104,6 +105,23 @@ def ffn(x: torch.Tensor, w: FFNWeights, spec: FFNSpec) -> torch.Tensor:
         y = linear_t(h, w.down)
         return y + w.down_bias if w.down_bias is not None else y
     return linear(h, w.down, w.down_bias)
+
+
+# Falcon's parallel attention: a hybrid layer's CPU part overlaps the GPU's attention (ffn_start);
+# HS_FFN_OVERLAP=0 joins it before the attention is queued (side-by-side measurements).
+FFN_OVERLAP = os.environ.get("HS_FFN_OVERLAP", "1") != "0"
+
+
+def ffn_start(x: torch.Tensor, w: FFNWeights, spec: FFNSpec):
+    """The FFN of x as a function giving its output, for blocks whose attention reads the same input
+    (Falcon's parallel attention): a hybrid layer decoding on CUDA queues its CPU part now and joins it
+    when the function is called, so the GPU computes the attention while the CPU computes the cold
+    neurons; everything else is computed now."""
+    start = getattr(w, "start", None)
+    if start is not None and FFN_OVERLAP:
+        return start(x)
+    y = ffn(x, w, spec)
+    return lambda: y
 
 
 # --- rotary embeddings ---------------------------------------------------------------------------

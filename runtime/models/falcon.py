@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from ..gguf_file import GGUFFile
-from ..layers import FFN_VARIANTS, FFNWeights, KVCache, Rotary, Step, attend, default_scale, ffn, layer_norm
+from ..layers import FFN_VARIANTS, FFNWeights, KVCache, Rotary, Step, attend, default_scale, ffn_start, layer_norm
 from ..weights import QWeight, linear
 from . import register
 from .base import CausalLM, LMConfig, NormWeights, load_ffn
@@ -69,11 +69,14 @@ class Falcon(CausalLM):
         rope = self.rotary(x.device)
         h = layer_norm(x, L.attn_norm.weight, L.attn_norm.bias, c.norm_eps)
         h_ffn = h if L.ffn_norm is None else layer_norm(x, L.ffn_norm.weight, L.ffn_norm.bias, c.norm_eps)
+        # attention and FFN both read x: the FFN first, so that a hybrid layer's CPU part runs while
+        # the GPU computes the attention (ffn_start)
+        f = ffn_start(h_ffn, L.ffn, FFN_VARIANTS[c.ffn_variant])
         q = rope.apply(linear(h, L.q).view(-1, c.n_heads, c.head_dim), step)
         k = rope.apply(linear(h, L.k).view(-1, c.n_kv_heads, c.head_dim), step)
         v = linear(h, L.v).view(-1, c.n_kv_heads, c.head_dim)
         a = linear(attend(q, k, v, cache, step, None, default_scale(c.head_dim)), L.o)
-        return x + a + ffn(h_ffn, L.ffn, FFN_VARIANTS[c.ffn_variant])
+        return x + a + f()
 
     def final_norm(self, x: torch.Tensor) -> torch.Tensor:
         return layer_norm(x, self.head.weight, self.head.bias, self.config.norm_eps)

@@ -6,6 +6,8 @@
   - graphs with the CPU FFN unfused (HS_FUSED_FFN=0: row-dots, activation and axpy as three passes),
   - skip: graphs with the host nodes doing no work (HS_COLD_SKIP=1: the GPU's part and the hand-overs),
   - poll / poll-skip: graphs and skip with the polled hand-over instead of host nodes (HS_HANDOVER=poll),
+  - serial: graphs with a parallel-attention block's FFN joined before its attention is queued
+    (HS_FFN_OVERLAP=0: Falcon's CPU part no longer overlaps the GPU's attention),
   - static: graphs with the CPU FFN's threads on fixed shares of the neurons (HS_FFN_CHUNK=0),
   - t-1: graphs with the host nodes on one thread less than HS_THREADS,
   - noyield / sleep: the pool's idle threads spin without yielding / sleep at once,
@@ -21,7 +23,7 @@
     (HS_TRACE_SKIP=0: with the CPU work; default without it, the GPU's part alone; HS_TRACE_OUT=FILE:
     the Chrome trace),
 and torch's profile of two eager steps. HS_PROFILE_MODES=graphs (a comma list of graphs, unfused, eager,
-events, events-nohg, layers, generate, trace, poll, poll-skip, omp, spin, omp-spin, skip, static, t-1, noyield, sleep) runs only those and skips torch's profile
+events, events-nohg, layers, generate, trace, poll, poll-skip, serial, omp, spin, omp-spin, skip, static, t-1, noyield, sleep) runs only those and skips torch's profile
 (unless HS_PROFILE_TORCH=1; HS_PROFILE_ROWS rows of it, by device time on a GPU or by HS_PROFILE_SORT,
 e.g. self_cpu_time_total); HS_THREADS sets the
 thread count (default 16).
@@ -33,7 +35,7 @@ import time
 
 import torch
 
-from hybridsparse.runtime import hybrid, kernels
+from hybridsparse.runtime import hybrid, kernels, layers
 from hybridsparse.runtime.generate import Generator
 from hybridsparse.runtime.hybrid import HybridOptions
 from hybridsparse.runtime.loader import open_model
@@ -79,6 +81,7 @@ VARIANTS = (("graphs", "graphs + host nodes", True, True, {}),
             ("omp-spin", "OpenMP + spinning wait", True, True, {"HS_COLD_POOL": "0", "HS_GRAPH_WAIT": "spin"}),
             ("skip", "the same, no CPU work", True, True, {"HS_COLD_SKIP": "1"}),
             ("poll", "the same, polled hand-over", True, True, {}),
+            ("serial", "the same, FFN joined first", True, True, {}),
             ("poll-skip", "polled, no CPU work", True, True, {"HS_COLD_SKIP": "1"}),
             ("static", "the same, fixed shares", True, True, {"HS_FFN_CHUNK": "0"}),
             ("t-1", "the same, one thread less", True, True, {}),
@@ -98,6 +101,7 @@ for key, label, graphs, nodes, env in VARIANTS:
     os.environ.update(env)
     hybrid.HOT_GRAPHS = key != "events-nohg"
     kernels.HANDOVER = "poll" if key.startswith("poll") else os.environ.get("HS_HANDOVER", "node")
+    layers.FFN_OVERLAP = key != "serial" and os.environ.get("HS_FFN_OVERLAP", "1") != "0"
     before = kernels.cpu.cold_ffn_stats()
     dt = decode(graphs, nodes)
     runs, busy, rows = (a - b for a, b in zip(kernels.cpu.cold_ffn_stats(), before))

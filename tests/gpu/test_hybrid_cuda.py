@@ -146,6 +146,36 @@ def tiny_profiled(tmp_path_factory):
     return path
 
 
+@pytest.mark.parametrize("handover", ["node", "poll"])
+def test_falcon_ffn_overlapping_attention_on_cuda(handover, tmp_path, monkeypatch):
+    """Falcon's parallel attention: the hybrid layer's CPU part queued before the attention and joined
+    after it (layers.ffn_start) gives the logits of joining it first (HS_FFN_OVERLAP=0) and of the
+    all-GPU dense model, in CUDA graphs."""
+    from hybridsparse.runtime import kernels, layers
+    monkeypatch.setattr(kernels, "HANDOVER", handover)
+    _, dense = build_case("falcon-40b-relu", tmp_path, dtype="f16")
+    path = dense.gguf.path
+    dense.place(dense.config.n_layers + 1, torch.device("cuda"))
+    ids = torch.randint(0, VOCAB, (5,), generator=torch.Generator().manual_seed(4))
+    feed = torch.randint(0, VOCAB, (6,), generator=torch.Generator().manual_seed(6)).tolist()
+    ref, _ = _generator_run(dense, ids, feed)
+    runs = []
+    for overlap in (True, False):
+        monkeypatch.setattr(layers, "FFN_OVERLAP", overlap)
+        model = load_model(GGUFFile(path))
+        c = model.config
+        rng = np.random.default_rng(8)
+        hot = [np.sort(rng.choice(c.n_ff, c.n_ff // 3, replace=False)) for _ in range(c.n_layers)]
+        setup_hybrid(model, path, HybridOptions(mode="dense", device="cuda", hot=hot, attn_fast=[True] * c.n_layers,
+                                                head_fast=True), log_line=lambda *_: None)
+        logits, graphed = _generator_run(model, ids, feed)
+        assert graphed
+        runs.append(logits)
+    scale = max(1.0, ref.abs().max().item())
+    torch.testing.assert_close(runs[0], runs[1], rtol=1e-4, atol=1e-4 * scale)
+    assert (runs[0] - ref).abs().max().item() <= 2e-3 * scale
+
+
 def test_polled_handover_equals_host_nodes_and_events(tmp_path, monkeypatch):
     """Predictor mode (a cold mask per token) with a neuron split, every attention on the GPU: the
     captured step's polled hand-over (csrc/cuda_handover.cu, one task per layer served by this thread)
