@@ -14,6 +14,7 @@
 #   scenario: `hs-bench scenario` for each of HS_SCENARIOS (default "S4 S5"; S1 alone fills a call)
 #   serve: the server's GPU tests, then a 32-client load test of hs-serve on a 7B-shaped model in /dev/shm
 #   chain: S1's Falcon-40B at 24 GiB, a decode step's host time per part (graphs vs the event path)
+#   s1ab: S1's step with host nodes / the polled hand-over / the FFN joined first, alternating, one process
 set -uo pipefail
 OUT=${OUT:-gpu-results}
 mkdir -p "$OUT"
@@ -114,6 +115,13 @@ MF=/dev/shm/relu-falcon-40b-f16-powerinfer.gguf
 [ -f $MF ] || hs-bench synth --shape relu-falcon-40b --layout powerinfer -o /dev/shm 2>&1 | tail -1
 HS_HYBRID_TIMING=1 HS_PROFILE_MODES=${HS_PROFILE_MODES:-graphs,events} timeout 300 python3 tests/gpu/profile_hybrid.py \
   $MF 24 predictor 2>&1 | grep -v "^hybrid:\|placing layers\|^ *[0-9]\+ \+[0-9]\+/" | tail -40 | tee "$OUT/profile_hybrid_s1.txt"
+fi
+if [[ $STAGES == *,s1ab,* ]]; then  # S1's step side by side in alternating order: host nodes, the polled
+# hand-over, Falcon's FFN joined before its attention (HS_AB_MODES; then e.g. HS_HANDOVER=poll with the scenario stage)
+MF=/dev/shm/relu-falcon-40b-f16-powerinfer.gguf
+[ -f $MF ] || hs-bench synth --shape relu-falcon-40b --layout powerinfer -o /dev/shm 2>&1 | tail -1
+HS_PROFILE_MODES=${HS_AB_MODES:-graphs,poll,serial,graphs,poll,serial,skip,poll-skip} timeout 300 \
+  python3 tests/gpu/profile_hybrid.py $MF 24 predictor 16 2>&1 | grep "per token" | tee "$OUT/profile_s1_ab.txt"
 fi
 if [[ $STAGES == *,sprobe,* ]]; then  # batched hybrid decode step by step (what hs-serve runs with many clients)
 [ -f /dev/shm/relu-llama-2-7b-f16-powerinfer.gguf ] || hs-bench synth --shape relu-llama-2-7b --layout powerinfer -o /dev/shm 2>&1 | tail -1

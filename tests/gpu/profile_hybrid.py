@@ -23,7 +23,8 @@
     (HS_TRACE_SKIP=0: with the CPU work; default without it, the GPU's part alone; HS_TRACE_OUT=FILE:
     the Chrome trace),
 and torch's profile of two eager steps. HS_PROFILE_MODES=graphs (a comma list of graphs, unfused, eager,
-events, events-nohg, layers, generate, trace, poll, poll-skip, serial, omp, spin, omp-spin, skip, static, t-1, noyield, sleep) runs only those and skips torch's profile
+events, events-nohg, layers, generate, trace, poll, poll-skip, serial, omp, spin, omp-spin, skip, static, t-1, noyield, sleep) runs only those, in that order
+(a mode named twice runs twice: graphs,poll,graphs,poll alternates them), and skips torch's profile
 (unless HS_PROFILE_TORCH=1; HS_PROFILE_ROWS rows of it, by device time on a GPU or by HS_PROFILE_SORT,
 e.g. self_cpu_time_total); HS_THREADS sets the
 thread count (default 16).
@@ -91,9 +92,8 @@ VARIANTS = (("graphs", "graphs + host nodes", True, True, {}),
             ("eager", "host nodes, no graph", False, True, {}),
             ("events", "events (HS_HOST_NODES=0)", False, False, {}),
             ("events-nohg", "the same, HS_HOT_GRAPHS=0", False, False, {}))
-for key, label, graphs, nodes, env in VARIANTS:
-    if key not in modes:
-        continue
+by_key = {v[0]: v for v in VARIANTS}
+for key, label, graphs, nodes, env in (by_key[k] for k in modes if k in by_key):  # in the order asked, repeats too
     saved = {k: os.environ.get(k) for k in ("HS_COLD_POOL", "HS_GRAPH_WAIT", "HS_FUSED_FFN", "HS_COLD_SKIP",
                                       "HS_FFN_CHUNK")}
     kernels.cpu.cold_ffn_set_threads(torch.get_num_threads() - (key == "t-1"))
