@@ -39,7 +39,9 @@ HS_ISA_TARGET static inline void dot_q45_0_tokens(const void* row, const ActQ8* 
 // the activation planes loaded once per block for all R rows, the offset subtracted once per block
 // and row as above. With VNNI one vpdpbusd per plane instead of maddubs + madd. (Two blocks per
 // 512-bit register measured slower on Zen 4, whose 512-bit integer ops are double-pumped.)
-template <int64_t QT, int R>
+// ONE_PLANE: the activations' second plane is zero (HS_ACT_PLANES=1, see act_planes): one dot per
+// block and row, the plane's weight folded into the scale.
+template <int64_t QT, int R, bool ONE_PLANE = false>
 HS_ISA_TARGET static inline void dot_q45_0_rows(const void* const* rows, const ActQ8* a, int64_t nb, float* out) {
   constexpr float offset = QT == Q4_0 ? 8.f : 16.f;
   __m256 acc[R];
@@ -47,16 +49,26 @@ HS_ISA_TARGET static inline void dot_q45_0_rows(const void* const* rows, const A
   for (int r = 0; r < R; ++r) { acc[r] = _mm256_setzero_ps(); corr[r] = 0.f; }
   for (int64_t b = 0; b < nb; ++b) {
     const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a[b].qs[0]));
-    const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a[b].qs[1]));
-    const float ad = a[b].d, as = offset * a[b].dsum;
+    const __m256i x1 = ONE_PLANE ? _mm256_setzero_si256()
+                                 : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a[b].qs[1]));
+    const float ad = ONE_PLANE ? a[b].d * PLANE_SHIFT : a[b].d, as = offset * a[b].dsum;
     for (int r = 0; r < R; ++r) {
       float dw;
       const __m256i qu = unsigned_block_q45_0<QT>(rows[r], b, dw);
+      __m256i i;
+      if constexpr (ONE_PLANE) {
 #if HS_ISA_VNNI
-      const __m256i i = dot2_vnni256(qu, x0, x1);
+        i = _mm256_dpbusd_epi32(_mm256_setzero_si256(), qu, x0);
 #else
-      const __m256i i = dot2_unsigned(qu, x0, x1);
+        i = _mm256_madd_epi16(_mm256_maddubs_epi16(qu, x0), _mm256_set1_epi16(1));
 #endif
+      } else {
+#if HS_ISA_VNNI
+        i = dot2_vnni256(qu, x0, x1);
+#else
+        i = dot2_unsigned(qu, x0, x1);
+#endif
+      }
       acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * ad), _mm256_cvtepi32_ps(i), acc[r]);
       corr[r] += dw * as;
     }

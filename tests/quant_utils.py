@@ -30,12 +30,13 @@ def _round_away(v: torch.Tensor) -> torch.Tensor:
     return torch.sign(v) * torch.floor(v.abs() + 0.5)
 
 
-def quantize_activations(x: torch.Tensor, block: int) -> torch.Tensor:
+def quantize_activations(x: torch.Tensor, block: int, planes: int = 2) -> torch.Tensor:
     """x [T, K] -> the two-plane 8-bit approximation the compiled kernels compute:
-    x ~= d0 * q0 + d0 / 128 * q1 per block, d0 = amax / 127."""
+    x ~= d0 * q0 + d0 / 128 * q1 per block, d0 = amax / 127 (planes=1: d0 * q0 alone, llama.cpp's
+    Q8_0 activations, HS_ACT_PLANES=1)."""
     xb = x.float().reshape(x.shape[0], -1, block)
     d0 = xb.abs().amax(-1, keepdim=True) / 127.0
     inv = torch.where(d0 > 0, 1.0 / d0, torch.zeros_like(d0))
     q0 = _round_away(xb * inv)
-    q1 = _round_away((xb - d0 * q0) * (inv * 128))
+    q1 = _round_away((xb - d0 * q0) * (inv * 128)) if planes == 2 else torch.zeros_like(q0)
     return (d0.double() / 128 * (128 * q0.double() + q1.double())).reshape(x.shape)

@@ -277,6 +277,30 @@ def test_sparse_rowdot_with_mask(qtype, which):
     torch.testing.assert_close(kernels.ops().sparse_rowdot(w, int(qtype), x, idx, mask), y)
 
 
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q5_0, Q.Q8_0])
+def test_one_plane_activations(qtype, monkeypatch):
+    """HS_ACT_PLANES=1: the row-dot and the fused FFN over listed rows (four rows side by side, the
+    rest one at a time) compute with llama.cpp's one-plane 8-bit activations, as the twin does with
+    the same rounding; unset, the two-plane results come back."""
+    K, n = 256, N_ROWS
+    w, down_t = random_rows(qtype, n, K, seed=3), random_rows(qtype, n, K, seed=4)
+    x = torch.randn(1, K, generator=torch.Generator().manual_seed(2))
+    idx = torch.randperm(n, generator=torch.Generator().manual_seed(5))[:23].int()  # < half: side by side
+    wd = dequantize(w, qtype).double()
+    two = kernels.sparse_rowdot(w, qtype, x, idx)
+    monkeypatch.setenv("HS_ACT_PLANES", "1")
+    one = kernels.sparse_rowdot(w, qtype, x, idx)
+    for planes, got in ((1, one), (2, two)):
+        ref = (quantize_activations(x, 32, planes) @ wd[idx.long()].T).float()
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+    assert (one - two).abs().max() > 1e-3 * two.abs().max()  # the setting took effect
+    y, h = kernels.sparse_ffn(x, w, qtype, None, qtype, down_t, qtype, idx, None, "relu", False)
+    h_ref = torch.relu(quantize_activations(x, 32, 1) @ wd[idx.long()].T)
+    torch.testing.assert_close(h, h_ref.float(), rtol=1e-4, atol=1e-4 * h_ref.abs().max().item())
+    monkeypatch.delenv("HS_ACT_PLANES")
+    torch.testing.assert_close(kernels.sparse_rowdot(w, qtype, x, idx), two, rtol=0, atol=0)
+
+
 def test_bad_mask():
     w = random_rows(Q.Q8_0, N_ROWS, 64)
     with pytest.raises(ValueError, match="bool vector of 67"):
