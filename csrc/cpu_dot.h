@@ -110,8 +110,8 @@ HS_AVX2 static inline float quantize_two_planes_avx2(const float* x, int8_t (*qs
 
 // HS_ACT_PLANES=1 (opt-in, read per call): activations for Q4_0 / Q5_0 / Q8_0 weights in one int8
 // plane per block of 32, as llama.cpp quantizes them (the second plane, which carries the rounding
-// error of the first, zero), and the Q4_0 / Q5_0 rows side by side take one VNNI dot per block instead
-// of two: for CPUs where those dots, not the memory, bound the FFN (the Xeon's cores turn 4.5 GiB/s of
+// error of the first, zero), and the Q4_0 / Q5_0 / Q8_0 rows side by side take one dot per block
+// instead of two: for CPUs where those dots, not the memory, bound the FFN (the Xeon's cores turn 4.5 GiB/s of
 // Q4_0 rows into dots each). Default 2: two planes, ~15-bit activations.
 inline int act_planes() {
   const char* v = std::getenv("HS_ACT_PLANES");
@@ -312,6 +312,14 @@ HS_AVX2 static inline __m256 block_dot2(__m256i q, const ActQ8& a, float dw, __m
   return _mm256_fmadd_ps(_mm256_set1_ps(dw * a.d), _mm256_cvtepi32_ps(_mm256_add_epi32(i0, i1)), acc);
 }
 
+// the same against the first plane alone (HS_ACT_PLANES=1: the second is zero)
+HS_AVX2 static inline __m256 block_dot1(__m256i q, const ActQ8& a, float dw, __m256 acc) {
+  const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.qs[0]));
+  const __m256i i0 = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(x0, q)),
+                                       _mm256_set1_epi16(1));
+  return _mm256_fmadd_ps(_mm256_set1_ps(dw * a.d * PLANE_SHIFT), _mm256_cvtepi32_ps(i0), acc);
+}
+
 // unsigned weights (0..31) of one block against both planes x0, x1: sum of qu * (128 q0 + q1), as int32
 HS_AVX2 static inline __m256i dot2_unsigned(__m256i qu, __m256i x0, __m256i x1) {
   return _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(qu, x0), _mm256_set1_epi16(PLANE_SHIFT)),
@@ -357,14 +365,15 @@ HS_AVX2 static inline float dot_q8_0_avx2(const void* row, const ActQ8* a, int64
 // R rows side by side against one token, for CPUs without AVX-512 (the sparse row-dot and the fused
 // FFN over scattered rows: more streams in flight per core than one row at a time). Q8_0: the
 // activation block read once for all R rows.
-template <int R>
+template <int R, bool ONE_PLANE = false>
 HS_AVX2 static inline void dot_q8_0_rows_avx2(const void* const* rows, const ActQ8* a, int64_t nb, float* out) {
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b)
     for (int r = 0; r < R; ++r) {
       const BlockQ8_0& w = static_cast<const BlockQ8_0*>(rows[r])[b];
-      acc[r] = block_dot2(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.qs)), a[b], _cvtsh_ss(w.d), acc[r]);
+      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.qs));
+      acc[r] = ONE_PLANE ? block_dot1(q, a[b], _cvtsh_ss(w.d), acc[r]) : block_dot2(q, a[b], _cvtsh_ss(w.d), acc[r]);
     }
   for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]);
 }
@@ -649,7 +658,7 @@ HS_AVX512 static inline __m512 scales_2(float s0, float s1) {
 // The dots of R Q8_0 rows with one quantized x, side by side (see dot_f16_rows_avx512; R = 1 is the
 // plain dot): two blocks per 512-bit register, the weight's sign moved onto the activations, the
 // activation planes loaded once per pair of blocks for all R rows.
-template <int R>
+template <int R, bool ONE_PLANE = false>
 HS_AVX512 static inline void dot_q8_0_rows_avx512(const void* const* rows, const ActQ8* a, int64_t nb, float* out) {
   static_assert(PLANE_SHIFT == 128, "dot2_vnni shifts by 7");
   const BlockQ8_0* w[R];
@@ -662,14 +671,19 @@ HS_AVX512 static inline void dot_q8_0_rows_avx512(const void* const* rows, const
   for (; b + 1 < nb; b += 2) {
     __m512i x0, x1;
     act_planes_2(a + b, x0, x1);
-    const float d0 = a[b].d, d1 = a[b + 1].d;
+    const float d0 = a[b].d * (ONE_PLANE ? PLANE_SHIFT : 1), d1 = a[b + 1].d * (ONE_PLANE ? PLANE_SHIFT : 1);
     for (int r = 0; r < R; ++r) {
       const __m512i q = join256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[r][b].qs)),
                                 _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[r][b + 1].qs)));
       const __mmask64 neg = _mm512_movepi8_mask(q);
       const __m512i y0 = _mm512_mask_sub_epi8(x0, neg, _mm512_setzero_si512(), x0);
-      const __m512i y1 = _mm512_mask_sub_epi8(x1, neg, _mm512_setzero_si512(), x1);
-      const __m512i i = dot2_vnni(_mm512_abs_epi8(q), y0, y1);
+      __m512i i;
+      if constexpr (ONE_PLANE) {
+        i = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_abs_epi8(q), y0);
+      } else {
+        const __m512i y1 = _mm512_mask_sub_epi8(x1, neg, _mm512_setzero_si512(), x1);
+        i = dot2_vnni(_mm512_abs_epi8(q), y0, y1);
+      }
       acc[r] = _mm512_fmadd_ps(scales_2(_cvtsh_ss(w[r][b].d) * d0, _cvtsh_ss(w[r][b + 1].d) * d1),
                                _mm512_cvtepi32_ps(i), acc[r]);
     }

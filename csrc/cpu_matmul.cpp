@@ -205,12 +205,17 @@ template <int R>
 HS_AVX2 void dot_q4_0_rows_avx2_1(const void* const* r, const ActQ8* a, int64_t nb, float* o) { isa_avx2::dot_q45_0_rows<Q4_0, R, true>(r, a, nb, o); }
 template <int R>
 HS_AVX2 void dot_q5_0_rows_avx2_1(const void* const* r, const ActQ8* a, int64_t nb, float* o) { isa_avx2::dot_q45_0_rows<Q5_0, R, true>(r, a, nb, o); }
+template <int R>
+HS_AVX512 void dot_q8_0_rows_avx512_1(const void* const* r, const ActQ8* a, int64_t nb, float* o) { dot_q8_0_rows_avx512<R, true>(r, a, nb, o); }
+template <int R>
+HS_AVX2 void dot_q8_0_rows_avx2_1(const void* const* r, const ActQ8* a, int64_t nb, float* o) { dot_q8_0_rows_avx2<R, true>(r, a, nb, o); }
 // (for activations quantized in this call: act_planes() is read per call by both)
 DotRowsQ8 pick_dot_rows_q8(int64_t qtype, int n_rows) {
   const bool vnni = cpu_has_avx512();
-  if (act_planes() == 1) {  // the second plane is zero: one dot per block (Q8_0 keeps its two, on zeros)
+  if (act_planes() == 1) {  // the second plane is zero: one dot per block
     if (qtype == Q4_0) return vnni ? HS_PICK_ROWS(dot_q4_0_rows_vnni1) : HS_PICK_ROWS(dot_q4_0_rows_avx2_1);
     if (qtype == Q5_0) return vnni ? HS_PICK_ROWS(dot_q5_0_rows_vnni1) : HS_PICK_ROWS(dot_q5_0_rows_avx2_1);
+    if (qtype == Q8_0) return vnni ? HS_PICK_ROWS(dot_q8_0_rows_avx512_1) : HS_PICK_ROWS(dot_q8_0_rows_avx2_1);
   }
   if (qtype == Q4_0) return vnni ? HS_PICK_ROWS(dot_q4_0_rows_vnni) : HS_PICK_ROWS(dot_q4_0_rows_avx2);
   if (qtype == Q5_0) return vnni ? HS_PICK_ROWS(dot_q5_0_rows_vnni) : HS_PICK_ROWS(dot_q5_0_rows_avx2);
