@@ -42,9 +42,44 @@ using DotQ8 = float (*)(const void*, const ActQ8*, int64_t);
 using DotQ8K = float (*)(const void*, const ActQ8K*, int64_t);
 using DotF = float (*)(const void*, const float*, int64_t);
 
+#ifdef HS_X86
+// one row against one-plane activations (HS_ACT_PLANES=1, see act_planes): one dot per block
+template <int64_t QT>
+HS_AVX512 float dot_q45_0_vnni_1(const void* row, const ActQ8* a, int64_t nb) {
+  float o;
+  isa_vnni::dot_q45_0_rows<QT, 1, true>(&row, a, nb, &o);
+  return o;
+}
+template <int64_t QT>
+HS_AVX2 float dot_q45_0_avx2_1(const void* row, const ActQ8* a, int64_t nb) {
+  float o;
+  isa_avx2::dot_q45_0_rows<QT, 1, true>(&row, a, nb, &o);
+  return o;
+}
+HS_AVX512 float dot_q8_0_avx512_1(const void* row, const ActQ8* a, int64_t nb) {
+  float o;
+  dot_q8_0_rows_avx512<1, true>(&row, a, nb, &o);
+  return o;
+}
+HS_AVX2 float dot_q8_0_avx2_1(const void* row, const ActQ8* a, int64_t nb) {
+  float o;
+  dot_q8_0_rows_avx2<1, true>(&row, a, nb, &o);
+  return o;
+}
+#endif
+
+// (activations quantized in the same call: act_planes() is read per call by both)
 DotQ8 pick_q8(int64_t qtype) {
   const bool v = cpu_has_avx2();
 #ifdef HS_X86
+  if (act_planes() == 1 && v) {
+    const bool w = cpu_has_avx512();
+    switch (qtype) {
+      case Q4_0: return w ? dot_q45_0_vnni_1<Q4_0> : dot_q45_0_avx2_1<Q4_0>;
+      case Q5_0: return w ? dot_q45_0_vnni_1<Q5_0> : dot_q45_0_avx2_1<Q5_0>;
+      case Q8_0: return w ? dot_q8_0_avx512_1 : dot_q8_0_avx2_1;
+    }
+  }
   if (cpu_has_avx512()) {
     switch (qtype) {
       case Q4_0: return dot_q4_0_avx512;

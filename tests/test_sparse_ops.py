@@ -280,8 +280,9 @@ def test_sparse_rowdot_with_mask(qtype, which):
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q5_0, Q.Q8_0])
 def test_one_plane_activations(qtype, monkeypatch):
     """HS_ACT_PLANES=1: the row-dot and the fused FFN over listed rows (four rows side by side, the
-    rest one at a time) compute with llama.cpp's one-plane 8-bit activations, as the twin does with
-    the same rounding; unset, the two-plane results come back."""
+    rest one at a time), the row-dot over most rows and the dense GEMV (one row at a time) compute
+    with llama.cpp's one-plane 8-bit activations, as the twin does with the same rounding; unset, the
+    two-plane results come back."""
     K, n = 256, N_ROWS
     w, down_t = random_rows(qtype, n, K, seed=3), random_rows(qtype, n, K, seed=4)
     x = torch.randn(1, K, generator=torch.Generator().manual_seed(2))
@@ -297,6 +298,12 @@ def test_one_plane_activations(qtype, monkeypatch):
     y, h = kernels.sparse_ffn(x, w, qtype, None, qtype, down_t, qtype, idx, None, "relu", False)
     h_ref = torch.relu(quantize_activations(x, 32, 1) @ wd[idx.long()].T)
     torch.testing.assert_close(h, h_ref.float(), rtol=1e-4, atol=1e-4 * h_ref.abs().max().item())
+    # one row at a time: more than half the rows listed, and the dense GEMV
+    many = torch.randperm(n, generator=torch.Generator().manual_seed(6))[:50].int()
+    for got, rows in ((kernels.sparse_rowdot(w, qtype, x, many), many.long()),
+                      (kernels.matmul(x, w, qtype), torch.arange(n))):
+        ref = (quantize_activations(x, 32, 1) @ wd[rows].T).float()
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
     monkeypatch.delenv("HS_ACT_PLANES")
     torch.testing.assert_close(kernels.sparse_rowdot(w, qtype, x, idx), two, rtol=0, atol=0)
 
