@@ -578,7 +578,8 @@ def sparse_ffn_masked(x, up, up_type, gate, gate_type, down_t, down_type, idx, m
 class polled_handover:
     """`with polled_handover() as tasks:` around a CUDA graph's capture: the hybrid layers captured
     inside hand over to the CPU by polling, and `tasks` lists their tasks in order; whoever replays
-    the graph must then call serve_polled(tasks) (or the GPU waits HANDOVER_TIMEOUT_S for each layer).
+    the graph must then call serve_polled(tasks) (else the GPU gives up after HANDOVER_TIMEOUT_S and
+    every later serve fails until the model is loaded again).
     Outside (eager steps) and unless HS_HANDOVER=poll, hybrid layers use host nodes."""
 
     def __enter__(self) -> list[int]:
