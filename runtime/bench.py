@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import shutil
 import statistics
@@ -22,6 +23,14 @@ import torch
 
 from .cli import add_model_args, default_threads, run_main
 from .errors import InputError
+
+# The environment switches that change what the runtime computes or how fast (the README's table),
+# recorded with every benchmark result; the tools' own variables (HS_STAGES, ...) are not.
+RUNTIME_SWITCHES = frozenset(
+    "HS_ACT_PLANES HS_COLD_POOL HS_COLD_SKIP HS_COLD_STREAM HS_CPU_GEMM_TOKENS HS_CPU_PATH HS_CPU_SPARSE_GEMM_TOKENS "
+    "HS_CUDA_GEMV HS_FFN_CHUNK HS_FFN_OVERLAP HS_FFN_ROWS HS_FUSED_FFN HS_GATE_FIRST HS_GRAPH_WAIT HS_HANDOVER "
+    "HS_HOST_NODES HS_HOT_GRAPHS HS_NO_KERNELS HS_POOL_SPIN_US HS_POOL_YIELD_US HS_PREFETCH HS_SANITIZE".split())
+
 
 def machine() -> dict:
     info = {"cpu": platform.processor() or platform.machine(), "cpu_threads_available": default_threads(),
@@ -37,6 +46,9 @@ def machine() -> dict:
     if torch.cuda.is_available():
         p = torch.cuda.get_device_properties(0)
         info.update(gpu=p.name, gpu_memory_gib=round(p.total_memory / 2**30, 1))
+    settings = {k: v for k, v in sorted(os.environ.items()) if k in RUNTIME_SWITCHES}
+    if settings:  # the runtime's switches in force (HS_HANDOVER, HS_ACT_PLANES, ...): part of what was measured
+        info["settings"] = settings
     return info
 
 
@@ -420,6 +432,8 @@ def scenario_table(results: list[dict]) -> str:
     for d in sorted(results, key=lambda d: (d["scenario"], -d.get("threads", 0))):
         m = d["machine"]
         where = f"{m['gpu']} + {m['cpu_threads_available']}-thread CPU" if m.get("gpu") else m["cpu"]
+        if m.get("settings"):  # switches that change what runs (HS_HANDOVER=poll, ...)
+            where += " (" + ", ".join(f"{k}={v}" for k, v in m["settings"].items()) + ")"
         for b in sorted({r["vram_budget"] for r in d["runs"]}, reverse=True):
             h = next((r for r in d["runs"] if r["vram_budget"] == b and r["engine"] == "hybrid"), {})
             s = next((r for r in d["runs"] if r["vram_budget"] == b and r["engine"] == "layer split"), {})

@@ -142,6 +142,16 @@ def test_scenario_table_goes_into_the_readme(tmp_path):
     bench.update_readme(readme, table)
     text = readme.read_text()
     assert "old" not in text and "11.00x" in text and text.startswith("intro\n") and text.endswith("rest\n")
+    run["machine"]["settings"] = {"HS_HANDOVER": "poll"}  # a switch in force is part of the row
+    assert "| G + 16-thread CPU (HS_HANDOVER=poll) |" in bench.scenario_table([run])
+
+
+def test_machine_records_runtime_switches_not_tool_variables(monkeypatch):
+    monkeypatch.setenv("HS_ACT_PLANES", "1")
+    monkeypatch.setenv("HS_STAGES", "scenario")
+    monkeypatch.delenv("HS_HANDOVER", raising=False)
+    settings = bench.machine()["settings"]
+    assert settings["HS_ACT_PLANES"] == "1" and "HS_STAGES" not in settings
 
 
 @pytest.mark.parametrize("ptype,agree", [("q8_0", 0.99), ("q4_0", 0.93)])  # measured 0.998, 0.962 (47% active)
