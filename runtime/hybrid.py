@@ -420,11 +420,15 @@ class HybridFFN:
         src = None
         if mask is not None:
             src = mask if not self.n_hot else torch.index_select(mask, 1, self._ids(self._cold_on, dev), out=t["cm"])
+        xs = x.float().contiguous() if kernels.polling() else x  # on the main stream, before the fork
+        # what the side stream reads stays referenced until this layer's next call, so that work queued
+        # on the main stream before the join (join_later) cannot get its memory from the allocator
+        t["in_flight"] = (xs, src)
         main, side = torch.cuda.current_stream(dev), _side_stream(dev)
         side.wait_stream(main)
         with torch.cuda.stream(side):
             if kernels.polling():  # a captured step: the GPU writes x and the mask itself, polls for y
-                kernels.enqueue_polled(t["handle"], x.float().contiguous(), src, t["yd"], t["counter"])
+                kernels.enqueue_polled(t["handle"], xs, src, t["yd"], t["counter"])
             else:
                 t["xh"].copy_(x, non_blocking=True)
                 if src is not None:
