@@ -187,25 +187,6 @@ __global__ void attention_combine_kernel(const float* part_o, const float* part_
   }
 }
 
-__global__ void rms_norm_kernel(const float* x, const float* w, float* y, int64_t D, float eps) {
-  const float* xr = x + blockIdx.x * D;
-  float* yr = y + blockIdx.x * D;
-  float ss = 0.f;
-  for (int64_t i = threadIdx.x; i < D; i += blockDim.x) ss += xr[i] * xr[i];
-  __shared__ float part[32];
-  ss = warp_sum(ss);
-  if (threadIdx.x % 32 == 0) part[threadIdx.x / 32] = ss;
-  __syncthreads();
-  if (threadIdx.x < 32) {
-    float v = threadIdx.x < blockDim.x / 32 ? part[threadIdx.x] : 0.f;
-    v = warp_sum(v);
-    if (threadIdx.x == 0) part[0] = v;
-  }
-  __syncthreads();
-  const float scale = rsqrtf(part[0] / static_cast<float>(D) + eps);
-  for (int64_t i = threadIdx.x; i < D; i += blockDim.x) yr[i] = xr[i] * scale * w[i];
-}
-
 // The sum of v over the block, in every thread (part: 32 floats of shared memory, free on entry)
 __device__ __forceinline__ float block_sum(float v, float* part) {
   v = warp_sum(v);
@@ -219,6 +200,16 @@ __device__ __forceinline__ float block_sum(float v, float* part) {
   }
   __syncthreads();
   return part[0];
+}
+
+__global__ void rms_norm_kernel(const float* x, const float* w, float* y, int64_t D, float eps) {
+  const float* xr = x + blockIdx.x * D;
+  float* yr = y + blockIdx.x * D;
+  __shared__ float part[32];
+  float ss = 0.f;
+  for (int64_t i = threadIdx.x; i < D; i += blockDim.x) ss += xr[i] * xr[i];
+  const float scale = rsqrtf(block_sum(ss, part) / static_cast<float>(D) + eps);
+  for (int64_t i = threadIdx.x; i < D; i += blockDim.x) yr[i] = xr[i] * scale * w[i];
 }
 
 __global__ void layer_norm_kernel(const float* x, const float* w, const float* b, float* y, int64_t D, float eps) {
@@ -259,6 +250,9 @@ __global__ void gated_act_kernel(const float* g, int64_t sg, const float* u, int
 }
 
 int blocks(int64_t total, int per) { return static_cast<int>((total + per - 1) / per); }
+
+// threads of a norm's block (one block per row)
+int norm_threads(int64_t D) { return D >= 4096 ? 1024 : (D >= 1024 ? 512 : 256); }
 
 }  // namespace
 
@@ -316,14 +310,12 @@ int attention_max_kv() { return ATT_MAX_KV; }
 
 void launch_rms_norm(const float* x, const float* w, float* y, int64_t rows, int64_t D, float eps,
                      cudaStream_t stream) {
-  const int threads = D >= 4096 ? 1024 : (D >= 1024 ? 512 : 256);
-  if (rows) rms_norm_kernel<<<static_cast<unsigned>(rows), threads, 0, stream>>>(x, w, y, D, eps);
+  if (rows) rms_norm_kernel<<<static_cast<unsigned>(rows), norm_threads(D), 0, stream>>>(x, w, y, D, eps);
 }
 
 void launch_layer_norm(const float* x, const float* w, const float* b, float* y, int64_t rows, int64_t D, float eps,
                        cudaStream_t stream) {
-  const int threads = D >= 4096 ? 1024 : (D >= 1024 ? 512 : 256);
-  if (rows) layer_norm_kernel<<<static_cast<unsigned>(rows), threads, 0, stream>>>(x, w, b, y, D, eps);
+  if (rows) layer_norm_kernel<<<static_cast<unsigned>(rows), norm_threads(D), 0, stream>>>(x, w, b, y, D, eps);
 }
 
 void launch_gated_act(const float* g, int64_t sg, const float* u, int64_t su, float* y, int64_t T, int64_t N,
