@@ -243,6 +243,10 @@ class HybridFFN:
         is no dense pass for an oracle."""
         return self.mode != "oracle" and (self.n_cold == 0 or self._host_nodes())
 
+    def _one_token_handed_over(self, x: torch.Tensor) -> bool:
+        """One token on CUDA whose cold part goes to the CPU through the stream (_decode_host_node)."""
+        return bool(self.n_cold) and x.is_cuda and x.shape[0] == 1 and self._host_nodes()
+
     def _host_nodes(self) -> bool:
         """Whether the cold part runs as a host node: on CUDA, for the weight types the compiled CPU
         FFN reads (others go through the twins, on the Python thread), not for the oracle."""
@@ -292,7 +296,7 @@ class HybridFFN:
         dev = x.device
         with _timed("predictor"):
             mask = self.active(x)
-        if self.n_cold and x.is_cuda and x.shape[0] == 1 and self._host_nodes():
+        if self._one_token_handed_over(x):
             return self._decode_host_node(x, mask)
         cold_in, pairs, cold_idx = None, None, None
         if self.n_cold and mask is not None and dev.type == "cpu" and x.shape[0] == 1 and kernels.cpu is not None:
@@ -339,7 +343,7 @@ class HybridFFN:
         cold part queues it now (side stream, host node or polled hand-over) and joins it only when the
         function is called, so that work queued in between on this stream (Falcon's parallel attention)
         runs on the GPU while the CPU computes; otherwise computed now."""
-        if self.n_cold and x.is_cuda and x.shape[0] == 1 and self._host_nodes():
+        if self._one_token_handed_over(x):
             with _timed("predictor"):
                 mask = self.active(x)
             return self._decode_host_node(x, mask, join_later=True)
