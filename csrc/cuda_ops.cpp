@@ -12,7 +12,9 @@
 namespace hs {
 
 void launch_rowdot(int64_t qtype, const uint8_t* w, int64_t row_bytes, const float* x, int64_t K,
-                   const int32_t* idx, const bool* mask, int64_t n_out, float* y, int T, cudaStream_t stream);
+                   const int32_t* idx, const bool* mask, int64_t n_out, float* y, int T, uint8_t* xq,
+                   cudaStream_t stream);
+int64_t rowdot_scratch_bytes(int64_t qtype, int64_t T, int64_t K);
 void launch_axpy(int64_t qtype, const uint8_t* w, int64_t row_bytes, const float* h, int64_t n_rows,
                  const int32_t* idx, int64_t D, float* y, int T, cudaStream_t stream);
 int cuda_max_tokens();
@@ -84,9 +86,12 @@ at::Tensor sparse_rowdot_cuda(const at::Tensor& w, int64_t qtype, const at::Tens
   const int64_t n_out = idx ? idx->size(0) : w.size(0), T = x.size(0);
   auto y = at::empty({T, n_out}, x.options());
   if (T == 0 || n_out == 0) return y;
+  const int64_t scratch = rowdot_scratch_bytes(qtype, T, K);
+  auto xq = at::empty({scratch}, x.options().dtype(at::kByte));
   launch_rowdot(qtype, static_cast<const uint8_t*>(w.data_ptr()), w.size(1) * w.element_size(), x.data_ptr<float>(),
                 K, idx ? idx->data_ptr<int32_t>() : nullptr, mask ? mask->data_ptr<bool>() : nullptr, n_out,
-                y.data_ptr<float>(), static_cast<int>(T), c10::cuda::getCurrentCUDAStream());
+                y.data_ptr<float>(), static_cast<int>(T), scratch ? xq.data_ptr<uint8_t>() : nullptr,
+                c10::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return y;
 }

@@ -16,6 +16,8 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <cstdlib>
+
 #include "quant_blocks.h"
 
 namespace hs {
@@ -114,12 +116,85 @@ __device__ __forceinline__ float warp_sum(float s) {
   return s;
 }
 
+// What a row-dot lane adds for one unit of a row and each token: the unit's weights against x.
+// FloatX reads x as float32 (F16, BF16, and block formats whose x is not quantized); QuantX reads
+// x as two 8-bit planes per 32-element block with one scale (csrc/quant_blocks.h's ActQ8, as the
+// CPU kernels do: ~15 bits, x ~= d * (128 * q0 + q1)) and multiplies with __dp4a: four products
+// per instruction and 8 bytes of x per 8 weights instead of 32, where unpacking Q8_0/Q4_0 to
+// floats and reading float x held the kernels at 20-50% of HBM bandwidth.
+struct FloatX {
+  const float* __restrict__ x;
+  int64_t K;
+  template <int64_t QT, int T>
+  __device__ __forceinline__ void add(const uint8_t* wr, int64_t u, float* acc) const {
+    using U = Unit<QT>;
+    float q[U::W];
+    const float d = U::load(wr, u, q);
+#pragma unroll
+    for (int t = 0; t < T; ++t) {
+      float s = 0.f;
+#pragma unroll
+      for (int c = 0; c < U::W; c += 8) {  // runs of 8 consecutive columns of x
+        const float4* p = reinterpret_cast<const float4*>(x + t * K + U::col(u, c));
+        const float4 a = __ldg(p), b = __ldg(p + 1);
+        s += q[c] * a.x + q[c + 1] * a.y + q[c + 2] * a.z + q[c + 3] * a.w + q[c + 4] * b.x + q[c + 5] * b.y +
+             q[c + 6] * b.z + q[c + 7] * b.w;
+      }
+      acc[t] += d * s;
+    }
+  }
+};
+
+struct QuantX {
+  const int8_t* __restrict__ q0;  // [T, K]: the first plane
+  const int8_t* __restrict__ q1;  // [T, K]: what the first leaves, in steps of d
+  const float2* __restrict__ dd;  // [T, K / 32]: (d, d * sum(128 * q0 + q1)) per block
+  int64_t K;
+  __device__ __forceinline__ int2 plane(const int8_t* p, int64_t t, int64_t col) const {
+    return __ldg(reinterpret_cast<const int2*>(p + t * K + col));
+  }
+  template <int64_t QT, int T>
+  __device__ __forceinline__ void add(const uint8_t* wr, int64_t u, float* acc) const {
+    if constexpr (QT == Q8_0) {  // a quarter block: 8 signed bytes
+      const uint8_t* blk = wr + (u >> 2) * sizeof(BlockQ8_0);
+      const uint2 v = load_8_bytes_2aligned(blk + 2 + (u & 3) * 8);
+      const float dw = __half2float(__ushort_as_half(__ldg(reinterpret_cast<const unsigned short*>(blk))));
+      const int64_t col = u * 8;
+#pragma unroll
+      for (int t = 0; t < T; ++t) {
+        const int2 a = plane(q0, t, col), b = plane(q1, t, col);
+        const int hi = __dp4a(static_cast<int>(v.y), a.y, __dp4a(static_cast<int>(v.x), a.x, 0));
+        const int lo = __dp4a(static_cast<int>(v.y), b.y, __dp4a(static_cast<int>(v.x), b.x, 0));
+        acc[t] += dw * dd[t * (K / QK) + (u >> 2)].x * static_cast<float>(hi * 128 + lo);
+      }
+    } else {  // Q4_0, half a block: low nibbles are elements s*8..s*8+7, high nibbles 16+s*8..
+      const uint8_t* blk = wr + (u >> 1) * sizeof(BlockQ4_0);
+      const int s = static_cast<int>(u & 1);
+      const uint2 v = load_8_bytes_2aligned(blk + 2 + s * 8);
+      const float dw = __half2float(__ushort_as_half(__ldg(reinterpret_cast<const unsigned short*>(blk))));
+      const int l0 = static_cast<int>(v.x & 0x0F0F0F0Fu), l1 = static_cast<int>(v.y & 0x0F0F0F0Fu);
+      const int h0 = static_cast<int>((v.x >> 4) & 0x0F0F0F0Fu), h1 = static_cast<int>((v.y >> 4) & 0x0F0F0F0Fu);
+      const int64_t col = (u >> 1) * QK + s * 8;
+#pragma unroll
+      for (int t = 0; t < T; ++t) {
+        const int2 a = plane(q0, t, col), a2 = plane(q0, t, col + 16);
+        const int2 b = plane(q1, t, col), b2 = plane(q1, t, col + 16);
+        const int hi = __dp4a(h1, a2.y, __dp4a(h0, a2.x, __dp4a(l1, a.y, __dp4a(l0, a.x, 0))));
+        const int lo = __dp4a(h1, b2.y, __dp4a(h0, b2.x, __dp4a(l1, b.y, __dp4a(l0, b.x, 0))));
+        const float2 xd = dd[t * (K / QK) + (u >> 1)];
+        // the weights' offset of 8: the block's whole term, counted by the lane of its first half
+        acc[t] += dw * (xd.x * static_cast<float>(hi * 128 + lo) - (s == 0 ? 8.f * xd.y : 0.f));
+      }
+    }
+  }
+};
+
 // Row-dot blocks of 8 warps: each row is split into S column slices, one per warp (S = 1 for many
 // rows; 2 or 4 when few rows would leave the GPU's 132 SMs short of warps to hide memory latency),
 // the slices' sums meet in shared memory.
-template <int64_t QT, int T, int S>
+template <int64_t QT, int T, int S, typename X>
 __global__ void __launch_bounds__(32 * DOT_WARPS)
-rowdot_kernel(const uint8_t* __restrict__ w, int64_t row_bytes, const float* __restrict__ x, int64_t K,
+rowdot_kernel(const uint8_t* __restrict__ w, int64_t row_bytes, X x, int64_t K,
               const int32_t* __restrict__ idx, const bool* __restrict__ mask, int64_t n_out,
               float* __restrict__ y) {
   using U = Unit<QT>;
@@ -137,22 +212,7 @@ rowdot_kernel(const uint8_t* __restrict__ w, int64_t row_bytes, const float* __r
     const int64_t per_slice = (units + S - 1) / S;
     const int64_t u_end = min(units, (slice + 1) * per_slice);
 #pragma unroll 4
-    for (int64_t u = slice * per_slice + lane; u < u_end; u += 32) {
-      float q[U::W];
-      const float d = U::load(wr, u, q);
-#pragma unroll
-      for (int t = 0; t < T; ++t) {
-        float s = 0.f;
-#pragma unroll
-        for (int c = 0; c < U::W; c += 8) {  // runs of 8 consecutive columns of x
-          const float4* p = reinterpret_cast<const float4*>(x + t * K + U::col(u, c));
-          const float4 a = __ldg(p), b = __ldg(p + 1);
-          s += q[c] * a.x + q[c + 1] * a.y + q[c + 2] * a.z + q[c + 3] * a.w + q[c + 4] * b.x + q[c + 5] * b.y +
-               q[c + 6] * b.z + q[c + 7] * b.w;
-        }
-        acc[t] += d * s;
-      }
-    }
+    for (int64_t u = slice * per_slice + lane; u < u_end; u += 32) x.template add<QT, T>(wr, u, acc);
   }
 #pragma unroll
   for (int t = 0; t < T; ++t) acc[t] = warp_sum(acc[t]);
@@ -171,6 +231,37 @@ rowdot_kernel(const uint8_t* __restrict__ w, int64_t row_bytes, const float* __r
       for (int j = 0; j < S; ++j) s += part[warp + j][lane];
       y[lane * n_out + k] = s;
     }
+  }
+}
+
+__device__ __forceinline__ float round_half_away(float v) {  // csrc/cpu_dot.h's, step for step
+  const float t = truncf(v), f = __fsub_rn(v, t);
+  return t + (f >= 0.5f ? 1.f : 0.f) - (f <= -0.5f ? 1.f : 0.f);
+}
+
+// x [n_blocks * 32] to QuantX's planes, one warp per 32-element block, with the CPU's float steps
+// (csrc/cpu_dot.h quantize_two_planes; no fused multiply-adds)
+__global__ void quantize_x_kernel(const float* __restrict__ x, int64_t n_blocks, int8_t* __restrict__ q0,
+                                  int8_t* __restrict__ q1, float2* __restrict__ dd) {
+  const int lane = threadIdx.x % 32;
+  const int64_t b = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+  if (b >= n_blocks) return;
+  const float v = x[b * QK + lane];
+  float amax = fabsf(v);
+#pragma unroll
+  for (int off = 16; off > 0; off /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffff, amax, off));
+  const float d0 = __fdiv_rn(amax, 127.f), id0 = d0 != 0.f ? __fdiv_rn(1.f, d0) : 0.f;
+  const float id1 = __fmul_rn(id0, 128.f);
+  const float a = round_half_away(__fmul_rn(v, id0));
+  const float c = round_half_away(__fmul_rn(__fsub_rn(v, __fmul_rn(d0, a)), id1));
+  q0[b * QK + lane] = static_cast<int8_t>(a);
+  q1[b * QK + lane] = static_cast<int8_t>(c);
+  int sum = static_cast<int>(a) * 128 + static_cast<int>(c);
+#pragma unroll
+  for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffff, sum, off);
+  if (lane == 0) {
+    const float d = __fdiv_rn(d0, 128.f);
+    dd[b] = make_float2(d, __fmul_rn(d, static_cast<float>(sum)));
   }
 }
 
@@ -228,8 +319,8 @@ axpy_kernel(const uint8_t* __restrict__ w, int64_t row_bytes, const float* __res
   }
 }
 
-template <int64_t QT, int T>
-void rowdot_launch_t(const uint8_t* w, int64_t row_bytes, const float* x, int64_t K, const int32_t* idx,
+template <int64_t QT, int T, typename X>
+void rowdot_launch_t(const uint8_t* w, int64_t row_bytes, X x, int64_t K, const int32_t* idx,
                      const bool* mask, int64_t n_out, float* y, cudaStream_t stream) {
   constexpr int64_t WANT_WARPS = 132 * 32;  // enough warps in flight on an H100/H200
   const int S = n_out * 2 >= WANT_WARPS ? 1 : (n_out * 4 >= WANT_WARPS ? 2 : 4);
@@ -240,8 +331,8 @@ void rowdot_launch_t(const uint8_t* w, int64_t row_bytes, const float* x, int64_
   else rowdot_kernel<QT, T, 4><<<grid, block, 0, stream>>>(w, row_bytes, x, K, idx, mask, n_out, y);
 }
 
-template <int64_t QT>
-void rowdot_launch(const uint8_t* w, int64_t row_bytes, const float* x, int64_t K, const int32_t* idx,
+template <int64_t QT, typename X>
+void rowdot_launch(const uint8_t* w, int64_t row_bytes, X x, int64_t K, const int32_t* idx,
                    const bool* mask, int64_t n_out, float* y, int T, cudaStream_t stream) {
   switch (T) {
     case 1: rowdot_launch_t<QT, 1>(w, row_bytes, x, K, idx, mask, n_out, y, stream); break;
@@ -278,14 +369,35 @@ void axpy_launch(const uint8_t* w, int64_t row_bytes, const float* h, int64_t n_
 
 // Launchers only: argument checks live in cuda_ops.cpp (host C++), because a c10::Error thrown from
 // nvcc-compiled code crashed the process on the GPU machine instead of raising.
+// xq: scratch of rowdot_scratch_bytes for Q8_0/Q4_0 weights (x quantized there first); without it
+// (HS_CUDA_QUANT_X=0) they read float32 x
 void launch_rowdot(int64_t qtype, const uint8_t* w, int64_t row_bytes, const float* x, int64_t K,
-                   const int32_t* idx, const bool* mask, int64_t n_out, float* y, int T, cudaStream_t stream) {
-  switch (qtype) {
-    case F16: rowdot_launch<F16>(w, row_bytes, x, K, idx, mask, n_out, y, T, stream); break;
-    case BF16: rowdot_launch<BF16>(w, row_bytes, x, K, idx, mask, n_out, y, T, stream); break;
-    case Q8_0: rowdot_launch<Q8_0>(w, row_bytes, x, K, idx, mask, n_out, y, T, stream); break;
-    default: rowdot_launch<Q4_0>(w, row_bytes, x, K, idx, mask, n_out, y, T, stream); break;
+                   const int32_t* idx, const bool* mask, int64_t n_out, float* y, int T, uint8_t* xq,
+                   cudaStream_t stream) {
+  const FloatX fx{x, K};
+  switch (xq ? -1 : qtype) {
+    case F16: return rowdot_launch<F16>(w, row_bytes, fx, K, idx, mask, n_out, y, T, stream);
+    case BF16: return rowdot_launch<BF16>(w, row_bytes, fx, K, idx, mask, n_out, y, T, stream);
+    case Q8_0: return rowdot_launch<Q8_0>(w, row_bytes, fx, K, idx, mask, n_out, y, T, stream);
+    case Q4_0: return rowdot_launch<Q4_0>(w, row_bytes, fx, K, idx, mask, n_out, y, T, stream);
   }
+  const int64_t n = T * K, n_blocks = n / QK;
+  const QuantX qx{reinterpret_cast<const int8_t*>(xq), reinterpret_cast<const int8_t*>(xq + n),
+                  reinterpret_cast<const float2*>(xq + 2 * n), K};
+  quantize_x_kernel<<<(n_blocks + 7) / 8, 256, 0, stream>>>(x, n_blocks, reinterpret_cast<int8_t*>(xq),
+                                                             reinterpret_cast<int8_t*>(xq + n),
+                                                             reinterpret_cast<float2*>(xq + 2 * n));
+  if (qtype == Q8_0) rowdot_launch<Q8_0>(w, row_bytes, qx, K, idx, mask, n_out, y, T, stream);
+  else rowdot_launch<Q4_0>(w, row_bytes, qx, K, idx, mask, n_out, y, T, stream);
+}
+
+// bytes of scratch launch_rowdot needs to quantize x: both planes and a float2 per 32-element block
+int64_t rowdot_scratch_bytes(int64_t qtype, int64_t T, int64_t K) {
+  static const bool quant_x = [] {
+    const char* v = std::getenv("HS_CUDA_QUANT_X");
+    return !(v && v[0] == '0' && v[1] == 0);
+  }();
+  return quant_x && (qtype == Q8_0 || qtype == Q4_0) ? T * K * 2 + T * (K / QK) * 8 : 0;
 }
 
 void launch_axpy(int64_t qtype, const uint8_t* w, int64_t row_bytes, const float* h, int64_t n_rows,
