@@ -75,8 +75,24 @@ bool pool_enabled() {  // read per task (tens of ns): benchmarks switch it withi
 
 // The polled hand-overs' abort word (pinned int64, set once either side gives up: every later wait on
 // either side ends at once, and every later serve fails until a task gets new hand-over words, i.e.
-// the model is loaded again). Null until the first polled hand-over is queued.
+// the model is loaded again). Allocated once per process when the first task gets hand-over words,
+// outside any graph capture (cudaHostAlloc is not permitted while a stream captures), never freed
+// (graphs captured with it may outlive any owner); null without a GPU.
 std::atomic<int64_t*> abort_word{nullptr};
+
+void ensure_abort_word() {
+#ifdef HS_WITH_CUDA
+  if (abort_word.load()) return;
+  void* p = nullptr;
+  if (cudaHostAlloc(&p, 64, cudaHostAllocMapped | cudaHostAllocPortable) != cudaSuccess) {
+    cudaGetLastError();
+    return;
+  }
+  std::memset(p, 0, 64);
+  int64_t* expected = nullptr;
+  if (!abort_word.compare_exchange_strong(expected, static_cast<int64_t*>(p))) cudaFreeHost(p);
+#endif
+}
 
 // Time inside tasks, their count and the neurons they computed, for tools (cold_ffn_stats)
 std::atomic<int64_t> busy_ns{0}, runs{0}, rows{0};
@@ -206,6 +222,7 @@ void cold_ffn_attach_sync(int64_t handle, const at::Tensor& sync) {
            "cold_ffn_attach_sync: expected a contiguous int64 [4] CPU tensor");
   c->sync = sync;
   c->served = sync.data_ptr<int64_t>()[0];
+  ensure_abort_word();
   if (int64_t* a = abort_word.load()) __atomic_store_n(a, 0, __ATOMIC_RELEASE);  // a model loaded anew
 }
 
@@ -321,13 +338,8 @@ void cold_ffn_enqueue_polled(int64_t handle, const at::Tensor& x, const c10::opt
                        device_view<bool>(c->mask, "mask buffer"), c->mask.numel(), counter.data_ptr<int64_t>(), w,
                        stream);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  if (!abort_word.load()) {  // once per process, never freed (graphs captured with it may outlive any owner)
-    void* p = nullptr;
-    C10_CUDA_CHECK(cudaHostAlloc(&p, 64, cudaHostAllocMapped | cudaHostAllocPortable));
-    std::memset(p, 0, 64);
-    int64_t* expected = nullptr;
-    if (!abort_word.compare_exchange_strong(expected, static_cast<int64_t*>(p))) C10_CUDA_CHECK(cudaFreeHost(p));
-  }
+  HS_CHECK(abort_word.load(), "cold_ffn_enqueue_polled: no pinned abort word (cudaHostAlloc failed when the task got ",
+           "its hand-over words)");
   int64_t* abort = nullptr;
   C10_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&abort), abort_word.load(), 0));
   launch_handover_recv(device_view<float>(c->y, "y buffer"), y.data_ptr<float>(), y.numel() * 4,

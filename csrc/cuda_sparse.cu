@@ -119,9 +119,11 @@ __device__ __forceinline__ float warp_sum(float s) {
 // What a row-dot lane adds for one unit of a row and each token: the unit's weights against x.
 // FloatX reads x as float32 (F16, BF16, and block formats whose x is not quantized); QuantX reads
 // x as two 8-bit planes per 32-element block with one scale (csrc/quant_blocks.h's ActQ8, as the
-// CPU kernels do: ~15 bits, x ~= d * (128 * q0 + q1)) and multiplies with __dp4a: four products
-// per instruction and 8 bytes of x per 8 weights instead of 32, where unpacking Q8_0/Q4_0 to
-// floats and reading float x held the kernels at 20-50% of HBM bandwidth.
+// CPU kernels do: ~15 bits, x ~= d * (128 * q0 + q1)) and multiplies Q4_0 rows with __dp4a: four
+// products per instruction and 16 bytes of x per 16 weights instead of 64. On an H100 (hs-bench
+// kernels, 70B/Falcon-40B rows) Q4_0 went from 31% to 42% of HBM bandwidth with every row, 24-27%
+// to 27-33% at 10%; Q8_0 rows lost (70 -> 65%, 55-58 -> 50-57%: the extra quantizing kernel costs
+// more than the cheaper dots save), so they keep reading float x.
 struct FloatX {
   const float* __restrict__ x;
   int64_t K;
@@ -155,19 +157,8 @@ struct QuantX {
   }
   template <int64_t QT, int T>
   __device__ __forceinline__ void add(const uint8_t* wr, int64_t u, float* acc) const {
-    if constexpr (QT == Q8_0) {  // a quarter block: 8 signed bytes
-      const uint8_t* blk = wr + (u >> 2) * sizeof(BlockQ8_0);
-      const uint2 v = load_8_bytes_2aligned(blk + 2 + (u & 3) * 8);
-      const float dw = __half2float(__ushort_as_half(__ldg(reinterpret_cast<const unsigned short*>(blk))));
-      const int64_t col = u * 8;
-#pragma unroll
-      for (int t = 0; t < T; ++t) {
-        const int2 a = plane(q0, t, col), b = plane(q1, t, col);
-        const int hi = __dp4a(static_cast<int>(v.y), a.y, __dp4a(static_cast<int>(v.x), a.x, 0));
-        const int lo = __dp4a(static_cast<int>(v.y), b.y, __dp4a(static_cast<int>(v.x), b.x, 0));
-        acc[t] += dw * dd[t * (K / QK) + (u >> 2)].x * static_cast<float>(hi * 128 + lo);
-      }
-    } else {  // Q4_0, half a block: low nibbles are elements s*8..s*8+7, high nibbles 16+s*8..
+    static_assert(QT == Q4_0, "QuantX: Q4_0 rows");
+    {  // half a block: low nibbles are elements s*8..s*8+7, high nibbles 16+s*8..
       const uint8_t* blk = wr + (u >> 1) * sizeof(BlockQ4_0);
       const int s = static_cast<int>(u & 1);
       const uint2 v = load_8_bytes_2aligned(blk + 2 + s * 8);
@@ -369,7 +360,7 @@ void axpy_launch(const uint8_t* w, int64_t row_bytes, const float* h, int64_t n_
 
 // Launchers only: argument checks live in cuda_ops.cpp (host C++), because a c10::Error thrown from
 // nvcc-compiled code crashed the process on the GPU machine instead of raising.
-// xq: scratch of rowdot_scratch_bytes for Q8_0/Q4_0 weights (x quantized there first); without it
+// xq: scratch of rowdot_scratch_bytes for Q4_0 weights (x quantized there first); without it
 // (HS_CUDA_QUANT_X=0) they read float32 x
 void launch_rowdot(int64_t qtype, const uint8_t* w, int64_t row_bytes, const float* x, int64_t K,
                    const int32_t* idx, const bool* mask, int64_t n_out, float* y, int T, uint8_t* xq,
@@ -387,8 +378,7 @@ void launch_rowdot(int64_t qtype, const uint8_t* w, int64_t row_bytes, const flo
   quantize_x_kernel<<<(n_blocks + 7) / 8, 256, 0, stream>>>(x, n_blocks, reinterpret_cast<int8_t*>(xq),
                                                              reinterpret_cast<int8_t*>(xq + n),
                                                              reinterpret_cast<float2*>(xq + 2 * n));
-  if (qtype == Q8_0) rowdot_launch<Q8_0>(w, row_bytes, qx, K, idx, mask, n_out, y, T, stream);
-  else rowdot_launch<Q4_0>(w, row_bytes, qx, K, idx, mask, n_out, y, T, stream);
+  rowdot_launch<Q4_0>(w, row_bytes, qx, K, idx, mask, n_out, y, T, stream);
 }
 
 // bytes of scratch launch_rowdot needs to quantize x: both planes and a float2 per 32-element block
@@ -397,7 +387,7 @@ int64_t rowdot_scratch_bytes(int64_t qtype, int64_t T, int64_t K) {
     const char* v = std::getenv("HS_CUDA_QUANT_X");
     return !(v && v[0] == '0' && v[1] == 0);
   }();
-  return quant_x && (qtype == Q8_0 || qtype == Q4_0) ? T * K * 2 + T * (K / QK) * 8 : 0;
+  return quant_x && qtype == Q4_0 ? T * K * 2 + T * (K / QK) * 8 : 0;
 }
 
 void launch_axpy(int64_t qtype, const uint8_t* w, int64_t row_bytes, const float* h, int64_t n_rows,
