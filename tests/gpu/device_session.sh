@@ -122,13 +122,13 @@ if [[ $STAGES == *,s1ab,* ]]; then  # S1's step side by side in alternating orde
 MF=/dev/shm/relu-falcon-40b-f16-powerinfer.gguf
 [ -f $MF ] || hs-bench synth --shape relu-falcon-40b --layout powerinfer -o /dev/shm 2>&1 | tail -1
 HS_PROFILE_MODES=${HS_AB_MODES:-graphs,poll,serial,graphs,poll,serial,skip,poll-skip} timeout 300 \
-  python3 tests/gpu/profile_hybrid.py $MF 24 predictor 16 2>&1 | grep "per token" | tee "$OUT/profile_s1_ab.txt"
+  python3 tests/gpu/profile_hybrid.py $MF 24 predictor 16 2>&1 | grep --line-buffered "per token" | tee "$OUT/profile_s1_ab.txt"
 fi
 if [[ $STAGES == *,s2ab,* ]]; then  # S2's step with two- and one-plane activations (HS_ACT_PLANES), alternating
 M70=/dev/shm/relu-llama-2-70b-q4_0-powerinfer.gguf
 [ -f $M70 ] || hs-bench synth --shape relu-llama-2-70b --dtype q4_0 --layout powerinfer -o /dev/shm 2>&1 | tail -1
 HS_PROFILE_MODES=${HS_AB_MODES:-graphs,one-plane,graphs,one-plane,poll,graphs} timeout 300 \
-  python3 tests/gpu/profile_hybrid.py $M70 11 predictor 12 2>&1 | grep "per token" | tee "$OUT/profile_s2_ab.txt"
+  python3 tests/gpu/profile_hybrid.py $M70 11 predictor 12 2>&1 | grep --line-buffered "per token" | tee "$OUT/profile_s2_ab.txt"
 fi
 if [[ $STAGES == *,sprobe,* ]]; then  # batched hybrid decode step by step (what hs-serve runs with many clients)
 [ -f /dev/shm/relu-llama-2-7b-f16-powerinfer.gguf ] || hs-bench synth --shape relu-llama-2-7b --layout powerinfer -o /dev/shm 2>&1 | tail -1
