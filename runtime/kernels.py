@@ -123,7 +123,8 @@ def build(verbose: bool = False):
     for path in sorted(CSRC.glob("*")):
         if path.is_file():
             digest.update(path.name.encode() + path.read_bytes())
-    digest.update(f"{torch.__version__}{with_cuda}{_torch_openmp_library()}".encode())
+    # an AddressSanitizer build gets its own directory instead of replacing the normal one
+    digest.update(f"{torch.__version__}{with_cuda}{_torch_openmp_library()}{bool(os.environ.get('HS_SANITIZE'))}".encode())
     tag = digest.hexdigest()[:12]
     build_dir = Path(os.environ.get("HS_CACHE", Path.home() / ".cache" / "hybridsparse")) / "ext" / tag
     build_dir.mkdir(parents=True, exist_ok=True)
