@@ -86,8 +86,11 @@ at::Tensor sparse_rowdot_cuda(const at::Tensor& w, int64_t qtype, const at::Tens
   const int64_t n_out = idx ? idx->size(0) : w.size(0), T = x.size(0);
   auto y = at::empty({T, n_out}, x.options());
   if (T == 0 || n_out == 0) return y;
+  // x quantized for the dots (Q4_0): scratch from torch's allocator (a graph's pool while capturing);
+  // no allocation for the types that read float x
   const int64_t scratch = rowdot_scratch_bytes(qtype, T, K);
-  auto xq = at::empty({scratch}, x.options().dtype(at::kByte));
+  at::Tensor xq;
+  if (scratch) xq = at::empty({scratch}, x.options().dtype(at::kByte));
   launch_rowdot(qtype, static_cast<const uint8_t*>(w.data_ptr()), w.size(1) * w.element_size(), x.data_ptr<float>(),
                 K, idx ? idx->data_ptr<int32_t>() : nullptr, mask ? mask->data_ptr<bool>() : nullptr, n_out,
                 y.data_ptr<float>(), static_cast<int>(T), scratch ? xq.data_ptr<uint8_t>() : nullptr,

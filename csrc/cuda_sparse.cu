@@ -158,24 +158,23 @@ struct QuantX {
   template <int64_t QT, int T>
   __device__ __forceinline__ void add(const uint8_t* wr, int64_t u, float* acc) const {
     static_assert(QT == Q4_0, "QuantX: Q4_0 rows");
-    {  // half a block: low nibbles are elements s*8..s*8+7, high nibbles 16+s*8..
-      const uint8_t* blk = wr + (u >> 1) * sizeof(BlockQ4_0);
-      const int s = static_cast<int>(u & 1);
-      const uint2 v = load_8_bytes_2aligned(blk + 2 + s * 8);
-      const float dw = __half2float(__ushort_as_half(__ldg(reinterpret_cast<const unsigned short*>(blk))));
-      const int l0 = static_cast<int>(v.x & 0x0F0F0F0Fu), l1 = static_cast<int>(v.y & 0x0F0F0F0Fu);
-      const int h0 = static_cast<int>((v.x >> 4) & 0x0F0F0F0Fu), h1 = static_cast<int>((v.y >> 4) & 0x0F0F0F0Fu);
-      const int64_t col = (u >> 1) * QK + s * 8;
+    // half a block: low nibbles are elements s*8..s*8+7, high nibbles 16+s*8..
+    const uint8_t* blk = wr + (u >> 1) * sizeof(BlockQ4_0);
+    const int s = static_cast<int>(u & 1);
+    const uint2 v = load_8_bytes_2aligned(blk + 2 + s * 8);
+    const float dw = __half2float(__ushort_as_half(__ldg(reinterpret_cast<const unsigned short*>(blk))));
+    const int l0 = static_cast<int>(v.x & 0x0F0F0F0Fu), l1 = static_cast<int>(v.y & 0x0F0F0F0Fu);
+    const int h0 = static_cast<int>((v.x >> 4) & 0x0F0F0F0Fu), h1 = static_cast<int>((v.y >> 4) & 0x0F0F0F0Fu);
+    const int64_t col = (u >> 1) * QK + s * 8;
 #pragma unroll
-      for (int t = 0; t < T; ++t) {
-        const int2 a = plane(q0, t, col), a2 = plane(q0, t, col + 16);
-        const int2 b = plane(q1, t, col), b2 = plane(q1, t, col + 16);
-        const int hi = __dp4a(h1, a2.y, __dp4a(h0, a2.x, __dp4a(l1, a.y, __dp4a(l0, a.x, 0))));
-        const int lo = __dp4a(h1, b2.y, __dp4a(h0, b2.x, __dp4a(l1, b.y, __dp4a(l0, b.x, 0))));
-        const float2 xd = dd[t * (K / QK) + (u >> 1)];
-        // the weights' offset of 8: the block's whole term, counted by the lane of its first half
-        acc[t] += dw * (xd.x * static_cast<float>(hi * 128 + lo) - (s == 0 ? 8.f * xd.y : 0.f));
-      }
+    for (int t = 0; t < T; ++t) {
+      const int2 a = plane(q0, t, col), a2 = plane(q0, t, col + 16);
+      const int2 b = plane(q1, t, col), b2 = plane(q1, t, col + 16);
+      const int hi = __dp4a(h1, a2.y, __dp4a(h0, a2.x, __dp4a(l1, a.y, __dp4a(l0, a.x, 0))));
+      const int lo = __dp4a(h1, b2.y, __dp4a(h0, b2.x, __dp4a(l1, b.y, __dp4a(l0, b.x, 0))));
+      const float2 xd = dd[t * (K / QK) + (u >> 1)];
+      // the weights' offset of 8: the block's whole term, counted by the lane of its first half
+      acc[t] += dw * (xd.x * static_cast<float>(hi * 128 + lo) - (s == 0 ? 8.f * xd.y : 0.f));
     }
   }
 };
@@ -373,11 +372,11 @@ void launch_rowdot(int64_t qtype, const uint8_t* w, int64_t row_bytes, const flo
     case Q4_0: return rowdot_launch<Q4_0>(w, row_bytes, fx, K, idx, mask, n_out, y, T, stream);
   }
   const int64_t n = T * K, n_blocks = n / QK;
-  const QuantX qx{reinterpret_cast<const int8_t*>(xq), reinterpret_cast<const int8_t*>(xq + n),
-                  reinterpret_cast<const float2*>(xq + 2 * n), K};
-  quantize_x_kernel<<<(n_blocks + 7) / 8, 256, 0, stream>>>(x, n_blocks, reinterpret_cast<int8_t*>(xq),
-                                                             reinterpret_cast<int8_t*>(xq + n),
-                                                             reinterpret_cast<float2*>(xq + 2 * n));
+  int8_t* q0 = reinterpret_cast<int8_t*>(xq);
+  int8_t* q1 = q0 + n;
+  float2* dd = reinterpret_cast<float2*>(xq + 2 * n);
+  quantize_x_kernel<<<(n_blocks + 7) / 8, 256, 0, stream>>>(x, n_blocks, q0, q1, dd);
+  const QuantX qx{q0, q1, dd, K};
   rowdot_launch<Q4_0>(w, row_bytes, qx, K, idx, mask, n_out, y, T, stream);
 }
 

@@ -1,6 +1,6 @@
 """The placement a scenario's synthetic model would get, without writing the model (tool; runs on any
 machine, no GPU): the layer shapes and stored sizes of `hs-bench synth --shape SHAPE --dtype DTYPE`, its
-planted per-layer frequencies, a rank-512 float16 predictor per layer, solved by the same ILP as
+planted per-layer frequencies, a rank-512 predictor per layer (float16 unless PREDICTOR_TYPE is q8_0/q4_0), solved by the same ILP as
 `hs-solve` for a budget and a prefill micro-batch. For S2 (70B Q4_0 at 11 GiB, -ub 128) it gives 80
 attentions and 18,880 hot neurons on the GPU, head on the CPU, where the H200's solve of the written
 model gave 80, 19,264 and the CPU (session 13; the bandwidths measured there differ a little).
