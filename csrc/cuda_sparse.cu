@@ -16,6 +16,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <cstdint>
 #include <cstdlib>
 
 #include "quant_blocks.h"
@@ -179,31 +180,12 @@ struct QuantX {
   }
 };
 
-// Row-dot blocks of 8 warps: each row is split into S column slices, one per warp (S = 1 for many
-// rows; 2 or 4 when few rows would leave the GPU's 132 SMs short of warps to hide memory latency),
-// the slices' sums meet in shared memory.
-template <int64_t QT, int T, int S, typename X>
-__global__ void __launch_bounds__(32 * DOT_WARPS)
-rowdot_kernel(const uint8_t* __restrict__ w, int64_t row_bytes, X x, int64_t K,
-              const int32_t* __restrict__ idx, const bool* __restrict__ mask, int64_t n_out,
-              float* __restrict__ y) {
-  using U = Unit<QT>;
-  constexpr int ROWS = DOT_WARPS / S;
+// The end of a row-dot block: each warp's lane sums meet (warp_sum), the S slices of a row in shared
+// memory, and y[t, k] is written (rows past n_out only join the block's barrier).
+template <int T, int S>
+__device__ __forceinline__ void rowdot_store(float* acc, int64_t k, int64_t n_out, float* __restrict__ y) {
   __shared__ float part[DOT_WARPS][T];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, slice = warp % S;
-  const int64_t k = static_cast<int64_t>(blockIdx.x) * ROWS + warp / S;
-  float acc[T];
-#pragma unroll
-  for (int t = 0; t < T; ++t) acc[t] = 0.f;
-  const int64_t row = k < n_out ? (idx ? idx[k] : k) : 0;
-  if (k < n_out && (mask == nullptr || mask[row])) {
-    const uint8_t* wr = w + row * row_bytes;
-    const int64_t units = K / U::W;
-    const int64_t per_slice = (units + S - 1) / S;
-    const int64_t u_end = min(units, (slice + 1) * per_slice);
-#pragma unroll 4
-    for (int64_t u = slice * per_slice + lane; u < u_end; u += 32) x.template add<QT, T>(wr, u, acc);
-  }
 #pragma unroll
   for (int t = 0; t < T; ++t) acc[t] = warp_sum(acc[t]);
   if constexpr (S == 1) {
@@ -222,6 +204,106 @@ rowdot_kernel(const uint8_t* __restrict__ w, int64_t row_bytes, X x, int64_t K,
       y[lane * n_out + k] = s;
     }
   }
+}
+
+// Row-dot blocks of 8 warps: each row is split into S column slices, one per warp (S = 1 for many
+// rows; 2 or 4 when few rows would leave the GPU's 132 SMs short of warps to hide memory latency),
+// the slices' sums meet in shared memory.
+template <int64_t QT, int T, int S, typename X>
+__global__ void __launch_bounds__(32 * DOT_WARPS)
+rowdot_kernel(const uint8_t* __restrict__ w, int64_t row_bytes, X x, int64_t K,
+              const int32_t* __restrict__ idx, const bool* __restrict__ mask, int64_t n_out,
+              float* __restrict__ y) {
+  using U = Unit<QT>;
+  constexpr int ROWS = DOT_WARPS / S;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, slice = warp % S;
+  const int64_t k = static_cast<int64_t>(blockIdx.x) * ROWS + warp / S;
+  float acc[T];
+#pragma unroll
+  for (int t = 0; t < T; ++t) acc[t] = 0.f;
+  const int64_t row = k < n_out ? (idx ? idx[k] : k) : 0;
+  if (k < n_out && (mask == nullptr || mask[row])) {
+    const uint8_t* wr = w + row * row_bytes;
+    const int64_t units = K / U::W;
+    const int64_t per_slice = (units + S - 1) / S;
+    const int64_t u_end = min(units, (slice + 1) * per_slice);
+#pragma unroll 4
+    for (int64_t u = slice * per_slice + lane; u < u_end; u += 32) x.template add<QT, T>(wr, u, acc);
+  }
+  rowdot_store<T, S>(acc, k, n_out, y);
+}
+
+// Q4_0 rows against QuantX's planes, a whole block per lane: a warp copies 32 consecutive blocks of its
+// row (576 bytes, which start 16-byte aligned when the row does) into shared memory with 16-byte loads,
+// 36 of them where QuantX's half-block lanes make four 2-byte loads each per 8 bytes (18-byte blocks
+// are only 2-byte aligned), then each lane takes its block from there (five 32-bit words, shifted for
+// the even lanes whose quants start 2 bytes into a word) and reads x with four 16-byte loads a token.
+// Rows need 16-byte alignment (start and length: K a multiple of 256); launch_rowdot uses
+// rowdot_kernel<Q4_0, ..., QuantX> otherwise, or with HS_CUDA_STAGED=0.
+constexpr int STAGE_BYTES = 32 * sizeof(BlockQ4_0);
+
+template <int T, int S>
+__global__ void __launch_bounds__(32 * DOT_WARPS)
+rowdot_q4_staged_kernel(const uint8_t* __restrict__ w, int64_t row_bytes, QuantX x, int64_t K,
+                        const int32_t* __restrict__ idx, const bool* __restrict__ mask, int64_t n_out,
+                        float* __restrict__ y) {
+  constexpr int ROWS = DOT_WARPS / S, VECS = STAGE_BYTES / 16;
+  // 16 bytes beyond each warp's 576: the odd lanes' fifth word, which they read and do not use
+  __shared__ __align__(16) uint8_t stage[DOT_WARPS][STAGE_BYTES + 16];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, slice = warp % S;
+  const int64_t k = static_cast<int64_t>(blockIdx.x) * ROWS + warp / S;
+  float acc[T];
+#pragma unroll
+  for (int t = 0; t < T; ++t) acc[t] = 0.f;
+  const int64_t row = k < n_out ? (idx ? idx[k] : k) : 0;
+  if (k < n_out && (mask == nullptr || mask[row])) {
+    const uint8_t* wr = w + row * row_bytes;
+    const int64_t nb = K / QK, chunks = (nb + 31) / 32;
+    const int64_t per_slice = (chunks + S - 1) / S;
+    const int64_t c_end = min(chunks, (slice + 1) * per_slice);
+    uint8_t* st = stage[warp];
+    const int off = lane * static_cast<int>(sizeof(BlockQ4_0));
+    const uint32_t* words = reinterpret_cast<const uint32_t*>(st + ((off + 2) & ~3));
+    const int shift = ((off + 2) & 3) * 8;
+    for (int64_t c = slice * per_slice; c < c_end; ++c) {
+      const int64_t b0 = c * 32;
+      const int nblk = static_cast<int>(min(static_cast<int64_t>(32), nb - b0));
+      // the last 16 bytes may pass the row's end (within the same aligned 16 bytes)
+      const int nvec = (nblk * static_cast<int>(sizeof(BlockQ4_0)) + 15) / 16;
+      const uint4* src = reinterpret_cast<const uint4*>(wr + b0 * static_cast<int64_t>(sizeof(BlockQ4_0)));
+      const uint4 zero = make_uint4(0, 0, 0, 0);
+      const uint4 v0 = lane < nvec ? __ldg(src + lane) : zero;
+      const uint4 v1 = lane + 32 < nvec ? __ldg(src + lane + 32) : zero;
+      __syncwarp();  // the last chunk's reads are done
+      reinterpret_cast<uint4*>(st)[lane] = v0;
+      if (lane + 32 < VECS) reinterpret_cast<uint4*>(st)[lane + 32] = v1;
+      __syncwarp();
+      if (lane < nblk) {
+        const float dw = __half2float(__ushort_as_half(*reinterpret_cast<const unsigned short*>(st + off)));
+        int lo[4], hi[4];  // elements 4i..4i+3 and 16+4i..16+4i+3
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const uint32_t q = __funnelshift_r(words[i], words[i + 1], shift);
+          lo[i] = static_cast<int>(q & 0x0F0F0F0Fu);
+          hi[i] = static_cast<int>((q >> 4) & 0x0F0F0F0Fu);
+        }
+        const int64_t b = b0 + lane;
+#pragma unroll
+        for (int t = 0; t < T; ++t) {
+          const int4* p0 = reinterpret_cast<const int4*>(x.q0 + t * K + b * QK);
+          const int4* p1 = reinterpret_cast<const int4*>(x.q1 + t * K + b * QK);
+          const int4 a = __ldg(p0), a2 = __ldg(p0 + 1), c0 = __ldg(p1), c2 = __ldg(p1 + 1);
+          int s0 = __dp4a(lo[0], a.x, __dp4a(lo[1], a.y, __dp4a(lo[2], a.z, __dp4a(lo[3], a.w, 0))));
+          s0 = __dp4a(hi[0], a2.x, __dp4a(hi[1], a2.y, __dp4a(hi[2], a2.z, __dp4a(hi[3], a2.w, s0))));
+          int s1 = __dp4a(lo[0], c0.x, __dp4a(lo[1], c0.y, __dp4a(lo[2], c0.z, __dp4a(lo[3], c0.w, 0))));
+          s1 = __dp4a(hi[0], c2.x, __dp4a(hi[1], c2.y, __dp4a(hi[2], c2.z, __dp4a(hi[3], c2.w, s1))));
+          const float2 xd = x.dd[t * nb + b];
+          acc[t] += dw * (xd.x * static_cast<float>(s0 * 128 + s1) - 8.f * xd.y);
+        }
+      }
+    }
+  }
+  rowdot_store<T, S>(acc, k, n_out, y);
 }
 
 __device__ __forceinline__ float round_half_away(float v) {  // csrc/cpu_dot.h's, step for step
@@ -309,31 +391,43 @@ axpy_kernel(const uint8_t* __restrict__ w, int64_t row_bytes, const float* __res
   }
 }
 
-template <int64_t QT, int T, typename X>
+// rowdot_kernel, or with STAGED rowdot_q4_staged_kernel (X = QuantX)
+template <int64_t QT, int T, bool STAGED, typename X>
 void rowdot_launch_t(const uint8_t* w, int64_t row_bytes, X x, int64_t K, const int32_t* idx,
                      const bool* mask, int64_t n_out, float* y, cudaStream_t stream) {
   constexpr int64_t WANT_WARPS = 132 * 32;  // enough warps in flight on an H100/H200
   const int S = n_out * 2 >= WANT_WARPS ? 1 : (n_out * 4 >= WANT_WARPS ? 2 : 4);
   const int64_t rows_per_block = DOT_WARPS / S;
   const dim3 grid((n_out + rows_per_block - 1) / rows_per_block), block(32 * DOT_WARPS);
-  if (S == 1) rowdot_kernel<QT, T, 1><<<grid, block, 0, stream>>>(w, row_bytes, x, K, idx, mask, n_out, y);
-  else if (S == 2) rowdot_kernel<QT, T, 2><<<grid, block, 0, stream>>>(w, row_bytes, x, K, idx, mask, n_out, y);
-  else rowdot_kernel<QT, T, 4><<<grid, block, 0, stream>>>(w, row_bytes, x, K, idx, mask, n_out, y);
+  if constexpr (STAGED) {
+    if (S == 1) rowdot_q4_staged_kernel<T, 1><<<grid, block, 0, stream>>>(w, row_bytes, x, K, idx, mask, n_out, y);
+    else if (S == 2) rowdot_q4_staged_kernel<T, 2><<<grid, block, 0, stream>>>(w, row_bytes, x, K, idx, mask, n_out, y);
+    else rowdot_q4_staged_kernel<T, 4><<<grid, block, 0, stream>>>(w, row_bytes, x, K, idx, mask, n_out, y);
+  } else {
+    if (S == 1) rowdot_kernel<QT, T, 1><<<grid, block, 0, stream>>>(w, row_bytes, x, K, idx, mask, n_out, y);
+    else if (S == 2) rowdot_kernel<QT, T, 2><<<grid, block, 0, stream>>>(w, row_bytes, x, K, idx, mask, n_out, y);
+    else rowdot_kernel<QT, T, 4><<<grid, block, 0, stream>>>(w, row_bytes, x, K, idx, mask, n_out, y);
+  }
 }
 
-template <int64_t QT, typename X>
+template <int64_t QT, bool STAGED = false, typename X>
 void rowdot_launch(const uint8_t* w, int64_t row_bytes, X x, int64_t K, const int32_t* idx,
                    const bool* mask, int64_t n_out, float* y, int T, cudaStream_t stream) {
   switch (T) {
-    case 1: rowdot_launch_t<QT, 1>(w, row_bytes, x, K, idx, mask, n_out, y, stream); break;
-    case 2: rowdot_launch_t<QT, 2>(w, row_bytes, x, K, idx, mask, n_out, y, stream); break;
-    case 3: rowdot_launch_t<QT, 3>(w, row_bytes, x, K, idx, mask, n_out, y, stream); break;
-    case 4: rowdot_launch_t<QT, 4>(w, row_bytes, x, K, idx, mask, n_out, y, stream); break;
-    case 5: rowdot_launch_t<QT, 5>(w, row_bytes, x, K, idx, mask, n_out, y, stream); break;
-    case 6: rowdot_launch_t<QT, 6>(w, row_bytes, x, K, idx, mask, n_out, y, stream); break;
-    case 7: rowdot_launch_t<QT, 7>(w, row_bytes, x, K, idx, mask, n_out, y, stream); break;
-    default: rowdot_launch_t<QT, 8>(w, row_bytes, x, K, idx, mask, n_out, y, stream); break;
+    case 1: rowdot_launch_t<QT, 1, STAGED>(w, row_bytes, x, K, idx, mask, n_out, y, stream); break;
+    case 2: rowdot_launch_t<QT, 2, STAGED>(w, row_bytes, x, K, idx, mask, n_out, y, stream); break;
+    case 3: rowdot_launch_t<QT, 3, STAGED>(w, row_bytes, x, K, idx, mask, n_out, y, stream); break;
+    case 4: rowdot_launch_t<QT, 4, STAGED>(w, row_bytes, x, K, idx, mask, n_out, y, stream); break;
+    case 5: rowdot_launch_t<QT, 5, STAGED>(w, row_bytes, x, K, idx, mask, n_out, y, stream); break;
+    case 6: rowdot_launch_t<QT, 6, STAGED>(w, row_bytes, x, K, idx, mask, n_out, y, stream); break;
+    case 7: rowdot_launch_t<QT, 7, STAGED>(w, row_bytes, x, K, idx, mask, n_out, y, stream); break;
+    default: rowdot_launch_t<QT, 8, STAGED>(w, row_bytes, x, K, idx, mask, n_out, y, stream); break;
   }
+}
+
+bool env_off(const char* name) {  // NAME=0
+  const char* v = std::getenv(name);
+  return v && v[0] == '0' && v[1] == 0;
 }
 
 // y[T, D] must hold zeros (or what the sum is added to); tokens go in chunks of axpy_max_tokens.
@@ -377,15 +471,15 @@ void launch_rowdot(int64_t qtype, const uint8_t* w, int64_t row_bytes, const flo
   float2* dd = reinterpret_cast<float2*>(xq + 2 * n);
   quantize_x_kernel<<<(n_blocks + 7) / 8, 256, 0, stream>>>(x, n_blocks, q0, q1, dd);
   const QuantX qx{q0, q1, dd, K};
+  static const bool staged = !env_off("HS_CUDA_STAGED");
+  if (staged && reinterpret_cast<uintptr_t>(w) % 16 == 0 && row_bytes % 16 == 0)
+    return rowdot_launch<Q4_0, true>(w, row_bytes, qx, K, idx, mask, n_out, y, T, stream);
   rowdot_launch<Q4_0>(w, row_bytes, qx, K, idx, mask, n_out, y, T, stream);
 }
 
 // bytes of scratch launch_rowdot needs to quantize x: both planes and a float2 per 32-element block
 int64_t rowdot_scratch_bytes(int64_t qtype, int64_t T, int64_t K) {
-  static const bool quant_x = [] {
-    const char* v = std::getenv("HS_CUDA_QUANT_X");
-    return !(v && v[0] == '0' && v[1] == 0);
-  }();
+  static const bool quant_x = !env_off("HS_CUDA_QUANT_X");
   return quant_x && qtype == Q4_0 ? T * K * 2 + T * (K / QK) * 8 : 0;
 }
 

@@ -98,6 +98,12 @@ hs-bench hybrid -m $M13 --mode ${HS_MODE:-predictor} -t 16 -n ${HS_N:-24} --budg
   --timeout 200 ${HS_HYBRID_ARGS:-} --json "$OUT/hybrid_llama13b_f16${HS_TAG:-}.json" 2>&1 | tail -30
 fi
 if [[ $STAGES == *,scenario,* ]]; then
+if [ "${HS_HANDOVER:-}" = auto ]; then  # the faster hand-over of the s1ab/s2ab stage's alternating runs (mean ms)
+  HS_HANDOVER=$(cat "$OUT"/profile_s*_ab.txt 2>/dev/null | awk '/^graphs \+ host nodes/ {n+=$5; nc++}
+    /^the same, polled hand-over/ {p+=$5; pc++} END {print (nc && pc && p/pc < 0.97*n/nc) ? "poll" : "node"}')
+  echo "HS_HANDOVER=$HS_HANDOVER (from the alternating runs)"
+fi
+export HS_HANDOVER=${HS_HANDOVER:-node}
 for s in ${HS_SCENARIOS:-S4 S5}; do
   echo "== scenario $s"
   hs-bench scenario $s -o /dev/shm --json "$OUT/scenario-$s.json" ${HS_SCENARIO_ARGS:-} 2>&1 | tr '\r' '\n' \
