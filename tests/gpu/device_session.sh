@@ -125,8 +125,9 @@ HS_HYBRID_TIMING=1 HS_PROFILE_MODES=${HS_PROFILE_MODES:-graphs,events} timeout 3
 fi
 if [[ $STAGES == *,s1ab,* ]]; then  # S1's step side by side in alternating order: host nodes, the polled
 # hand-over, Falcon's FFN joined before its attention (HS_AB_MODES; then e.g. HS_HANDOVER=poll with the scenario stage)
-MF=/dev/shm/relu-falcon-40b-f16-powerinfer.gguf
-[ -f $MF ] || hs-bench synth --shape relu-falcon-40b --layout powerinfer -o /dev/shm 2>&1 | tail -1
+PRED=${HS_PRED:-f16}  # the predictors' type (the scenario stage then reuses the model: HS_SCENARIO_ARGS="--predictor-type $PRED")
+MF=/dev/shm/relu-falcon-40b-f16-powerinfer$([ $PRED = f16 ] || echo -pred-$PRED).gguf
+[ -f $MF ] || hs-bench synth --shape relu-falcon-40b --layout powerinfer --predictor-type $PRED -o /dev/shm 2>&1 | tail -1
 HS_PROFILE_MODES=${HS_AB_MODES:-graphs,poll,serial,graphs,poll,serial,skip,poll-skip} timeout 300 \
   python3 tests/gpu/profile_hybrid.py $MF 24 predictor 16 2>&1 | grep --line-buffered "per token" | tee "$OUT/profile_s1_ab.txt"
 fi
