@@ -233,23 +233,77 @@ rowdot_kernel(const uint8_t* __restrict__ w, int64_t row_bytes, X x, int64_t K,
   rowdot_store<T, S>(acc, k, n_out, y);
 }
 
-// Q4_0 rows against QuantX's planes, a whole block per lane: a warp copies 32 consecutive blocks of its
-// row (576 bytes, which start 16-byte aligned when the row does) into shared memory with 16-byte loads,
-// 36 of them where QuantX's half-block lanes make four 2-byte loads each per 8 bytes (18-byte blocks
-// are only 2-byte aligned), then each lane takes its block from there (five 32-bit words, shifted for
-// the even lanes whose quants start 2 bytes into a word) and reads x with four 16-byte loads a token.
-// Rows need 16-byte alignment (start and length: K a multiple of 256); launch_rowdot uses
-// rowdot_kernel<Q4_0, ..., QuantX> otherwise, or with HS_CUDA_STAGED=0.
-constexpr int STAGE_BYTES = 32 * sizeof(BlockQ4_0);
+// Block-format rows a whole block per lane: a warp copies 32 consecutive blocks of its row (576 bytes
+// of Q4_0, 1088 of Q8_0, which start 16-byte aligned when the row does) into shared memory with 16-byte
+// loads, where the half- and quarter-block lanes of rowdot_kernel make 2-byte loads (18- and 34-byte
+// blocks are only 2-byte aligned), then each lane takes its block's quants from there as 32-bit words
+// (shifted by 2 bytes for the even lanes) and reads x with 16-byte loads. Rows need 16-byte alignment
+// (start and length: K a multiple of 256); launch_rowdot uses rowdot_kernel otherwise, or with
+// HS_CUDA_STAGED=0. What a lane does with its block's words:
+//   Q4_0 (x as QuantX's two planes): 16 __dp4a a token against four 16-byte loads of the planes;
+//   Q8_0 (float x): the int8 values as floats against eight 16-byte loads of x.
+template <int64_t QT> struct Staged;
 
-template <int T, int S>
+template <> struct Staged<Q4_0> {
+  using X = QuantX;
+  static constexpr int BYTES = sizeof(BlockQ4_0), WORDS = 4;
+  template <int T>
+  __device__ static __forceinline__ void dot(const uint32_t* q, float dw, int64_t b, const X& x, float* acc) {
+    int lo[4], hi[4];  // elements 4i..4i+3 and 16+4i..16+4i+3
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      lo[i] = static_cast<int>(q[i] & 0x0F0F0F0Fu);
+      hi[i] = static_cast<int>((q[i] >> 4) & 0x0F0F0F0Fu);
+    }
+    const int64_t nb = x.K / QK;
+#pragma unroll
+    for (int t = 0; t < T; ++t) {
+      const int4* p0 = reinterpret_cast<const int4*>(x.q0 + t * x.K + b * QK);
+      const int4* p1 = reinterpret_cast<const int4*>(x.q1 + t * x.K + b * QK);
+      const int4 a = __ldg(p0), a2 = __ldg(p0 + 1), c = __ldg(p1), c2 = __ldg(p1 + 1);
+      int s0 = __dp4a(lo[0], a.x, __dp4a(lo[1], a.y, __dp4a(lo[2], a.z, __dp4a(lo[3], a.w, 0))));
+      s0 = __dp4a(hi[0], a2.x, __dp4a(hi[1], a2.y, __dp4a(hi[2], a2.z, __dp4a(hi[3], a2.w, s0))));
+      int s1 = __dp4a(lo[0], c.x, __dp4a(lo[1], c.y, __dp4a(lo[2], c.z, __dp4a(lo[3], c.w, 0))));
+      s1 = __dp4a(hi[0], c2.x, __dp4a(hi[1], c2.y, __dp4a(hi[2], c2.z, __dp4a(hi[3], c2.w, s1))));
+      const float2 xd = x.dd[t * nb + b];
+      acc[t] += dw * (xd.x * static_cast<float>(s0 * 128 + s1) - 8.f * xd.y);  // the weights' offset of 8
+    }
+  }
+};
+
+template <> struct Staged<Q8_0> {
+  using X = FloatX;
+  static constexpr int BYTES = sizeof(BlockQ8_0), WORDS = 8;
+  template <int T>
+  __device__ static __forceinline__ void dot(const uint32_t* q, float dw, int64_t b, const X& x, float* acc) {
+    float w[QK];
+#pragma unroll
+    for (int i = 0; i < WORDS; ++i)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) w[4 * i + j] = byte_to_float(q[i] ^ 0x80808080u, j, 8388736.f);
+#pragma unroll
+    for (int t = 0; t < T; ++t) {
+      const float4* p = reinterpret_cast<const float4*>(x.x + t * x.K + b * QK);
+      float s = 0.f;
+#pragma unroll
+      for (int i = 0; i < QK / 4; ++i) {
+        const float4 v = __ldg(p + i);
+        s += w[4 * i] * v.x + w[4 * i + 1] * v.y + w[4 * i + 2] * v.z + w[4 * i + 3] * v.w;
+      }
+      acc[t] += dw * s;
+    }
+  }
+};
+
+template <int64_t QT, int T, int S>
 __global__ void __launch_bounds__(32 * DOT_WARPS)
-rowdot_q4_staged_kernel(const uint8_t* __restrict__ w, int64_t row_bytes, QuantX x, int64_t K,
-                        const int32_t* __restrict__ idx, const bool* __restrict__ mask, int64_t n_out,
-                        float* __restrict__ y) {
-  constexpr int ROWS = DOT_WARPS / S, VECS = STAGE_BYTES / 16;
-  // 16 bytes beyond each warp's 576: the odd lanes' fifth word, which they read and do not use
-  __shared__ __align__(16) uint8_t stage[DOT_WARPS][STAGE_BYTES + 16];
+rowdot_staged_kernel(const uint8_t* __restrict__ w, int64_t row_bytes, typename Staged<QT>::X x, int64_t K,
+                     const int32_t* __restrict__ idx, const bool* __restrict__ mask, int64_t n_out,
+                     float* __restrict__ y) {
+  using B = Staged<QT>;
+  constexpr int ROWS = DOT_WARPS / S, CHUNK = 32 * B::BYTES, VECS = CHUNK / 16;
+  // 16 bytes beyond each warp's chunk: the last lane's last word, which the odd lanes read and do not use
+  __shared__ __align__(16) uint8_t stage[DOT_WARPS][CHUNK + 16];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, slice = warp % S;
   const int64_t k = static_cast<int64_t>(blockIdx.x) * ROWS + warp / S;
   float acc[T];
@@ -262,44 +316,30 @@ rowdot_q4_staged_kernel(const uint8_t* __restrict__ w, int64_t row_bytes, QuantX
     const int64_t per_slice = (chunks + S - 1) / S;
     const int64_t c_end = min(chunks, (slice + 1) * per_slice);
     uint8_t* st = stage[warp];
-    const int off = lane * static_cast<int>(sizeof(BlockQ4_0));
+    const int off = lane * B::BYTES;  // this lane's block in the chunk; its quants 2 bytes on
     const uint32_t* words = reinterpret_cast<const uint32_t*>(st + ((off + 2) & ~3));
     const int shift = ((off + 2) & 3) * 8;
     for (int64_t c = slice * per_slice; c < c_end; ++c) {
       const int64_t b0 = c * 32;
       const int nblk = static_cast<int>(min(static_cast<int64_t>(32), nb - b0));
       // the last 16 bytes may pass the row's end (within the same aligned 16 bytes)
-      const int nvec = (nblk * static_cast<int>(sizeof(BlockQ4_0)) + 15) / 16;
-      const uint4* src = reinterpret_cast<const uint4*>(wr + b0 * static_cast<int64_t>(sizeof(BlockQ4_0)));
-      const uint4 zero = make_uint4(0, 0, 0, 0);
-      const uint4 v0 = lane < nvec ? __ldg(src + lane) : zero;
-      const uint4 v1 = lane + 32 < nvec ? __ldg(src + lane + 32) : zero;
+      const int nvec = (nblk * B::BYTES + 15) / 16;
+      const uint4* src = reinterpret_cast<const uint4*>(wr + b0 * B::BYTES);
+      uint4 v[(VECS + 31) / 32];
+#pragma unroll
+      for (int j = 0; j < (VECS + 31) / 32; ++j)
+        v[j] = lane + 32 * j < nvec ? __ldg(src + lane + 32 * j) : make_uint4(0, 0, 0, 0);
       __syncwarp();  // the last chunk's reads are done
-      reinterpret_cast<uint4*>(st)[lane] = v0;
-      if (lane + 32 < VECS) reinterpret_cast<uint4*>(st)[lane + 32] = v1;
+#pragma unroll
+      for (int j = 0; j < (VECS + 31) / 32; ++j)
+        if (lane + 32 * j < VECS) reinterpret_cast<uint4*>(st)[lane + 32 * j] = v[j];
       __syncwarp();
       if (lane < nblk) {
         const float dw = __half2float(__ushort_as_half(*reinterpret_cast<const unsigned short*>(st + off)));
-        int lo[4], hi[4];  // elements 4i..4i+3 and 16+4i..16+4i+3
+        uint32_t q[B::WORDS];
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const uint32_t q = __funnelshift_r(words[i], words[i + 1], shift);
-          lo[i] = static_cast<int>(q & 0x0F0F0F0Fu);
-          hi[i] = static_cast<int>((q >> 4) & 0x0F0F0F0Fu);
-        }
-        const int64_t b = b0 + lane;
-#pragma unroll
-        for (int t = 0; t < T; ++t) {
-          const int4* p0 = reinterpret_cast<const int4*>(x.q0 + t * K + b * QK);
-          const int4* p1 = reinterpret_cast<const int4*>(x.q1 + t * K + b * QK);
-          const int4 a = __ldg(p0), a2 = __ldg(p0 + 1), c0 = __ldg(p1), c2 = __ldg(p1 + 1);
-          int s0 = __dp4a(lo[0], a.x, __dp4a(lo[1], a.y, __dp4a(lo[2], a.z, __dp4a(lo[3], a.w, 0))));
-          s0 = __dp4a(hi[0], a2.x, __dp4a(hi[1], a2.y, __dp4a(hi[2], a2.z, __dp4a(hi[3], a2.w, s0))));
-          int s1 = __dp4a(lo[0], c0.x, __dp4a(lo[1], c0.y, __dp4a(lo[2], c0.z, __dp4a(lo[3], c0.w, 0))));
-          s1 = __dp4a(hi[0], c2.x, __dp4a(hi[1], c2.y, __dp4a(hi[2], c2.z, __dp4a(hi[3], c2.w, s1))));
-          const float2 xd = x.dd[t * nb + b];
-          acc[t] += dw * (xd.x * static_cast<float>(s0 * 128 + s1) - 8.f * xd.y);
-        }
+        for (int i = 0; i < B::WORDS; ++i) q[i] = __funnelshift_r(words[i], words[i + 1], shift);
+        B::template dot<T>(q, dw, b0 + lane, x, acc);
       }
     }
   }
@@ -391,7 +431,7 @@ axpy_kernel(const uint8_t* __restrict__ w, int64_t row_bytes, const float* __res
   }
 }
 
-// rowdot_kernel, or with STAGED rowdot_q4_staged_kernel (X = QuantX)
+// rowdot_kernel, or with STAGED rowdot_staged_kernel (X = Staged<QT>::X)
 template <int64_t QT, int T, bool STAGED, typename X>
 void rowdot_launch_t(const uint8_t* w, int64_t row_bytes, X x, int64_t K, const int32_t* idx,
                      const bool* mask, int64_t n_out, float* y, cudaStream_t stream) {
@@ -400,9 +440,9 @@ void rowdot_launch_t(const uint8_t* w, int64_t row_bytes, X x, int64_t K, const 
   const int64_t rows_per_block = DOT_WARPS / S;
   const dim3 grid((n_out + rows_per_block - 1) / rows_per_block), block(32 * DOT_WARPS);
   if constexpr (STAGED) {
-    if (S == 1) rowdot_q4_staged_kernel<T, 1><<<grid, block, 0, stream>>>(w, row_bytes, x, K, idx, mask, n_out, y);
-    else if (S == 2) rowdot_q4_staged_kernel<T, 2><<<grid, block, 0, stream>>>(w, row_bytes, x, K, idx, mask, n_out, y);
-    else rowdot_q4_staged_kernel<T, 4><<<grid, block, 0, stream>>>(w, row_bytes, x, K, idx, mask, n_out, y);
+    if (S == 1) rowdot_staged_kernel<QT, T, 1><<<grid, block, 0, stream>>>(w, row_bytes, x, K, idx, mask, n_out, y);
+    else if (S == 2) rowdot_staged_kernel<QT, T, 2><<<grid, block, 0, stream>>>(w, row_bytes, x, K, idx, mask, n_out, y);
+    else rowdot_staged_kernel<QT, T, 4><<<grid, block, 0, stream>>>(w, row_bytes, x, K, idx, mask, n_out, y);
   } else {
     if (S == 1) rowdot_kernel<QT, T, 1><<<grid, block, 0, stream>>>(w, row_bytes, x, K, idx, mask, n_out, y);
     else if (S == 2) rowdot_kernel<QT, T, 2><<<grid, block, 0, stream>>>(w, row_bytes, x, K, idx, mask, n_out, y);
@@ -459,10 +499,14 @@ void launch_rowdot(int64_t qtype, const uint8_t* w, int64_t row_bytes, const flo
                    const int32_t* idx, const bool* mask, int64_t n_out, float* y, int T, uint8_t* xq,
                    cudaStream_t stream) {
   const FloatX fx{x, K};
+  static const bool staged = !env_off("HS_CUDA_STAGED");
+  const bool aligned = reinterpret_cast<uintptr_t>(w) % 16 == 0 && row_bytes % 16 == 0;
   switch (xq ? -1 : qtype) {
     case F16: return rowdot_launch<F16>(w, row_bytes, fx, K, idx, mask, n_out, y, T, stream);
     case BF16: return rowdot_launch<BF16>(w, row_bytes, fx, K, idx, mask, n_out, y, T, stream);
-    case Q8_0: return rowdot_launch<Q8_0>(w, row_bytes, fx, K, idx, mask, n_out, y, T, stream);
+    case Q8_0:
+      if (staged && aligned) return rowdot_launch<Q8_0, true>(w, row_bytes, fx, K, idx, mask, n_out, y, T, stream);
+      return rowdot_launch<Q8_0>(w, row_bytes, fx, K, idx, mask, n_out, y, T, stream);
     case Q4_0: return rowdot_launch<Q4_0>(w, row_bytes, fx, K, idx, mask, n_out, y, T, stream);
   }
   const int64_t n = T * K, n_blocks = n / QK;
@@ -471,8 +515,7 @@ void launch_rowdot(int64_t qtype, const uint8_t* w, int64_t row_bytes, const flo
   float2* dd = reinterpret_cast<float2*>(xq + 2 * n);
   quantize_x_kernel<<<(n_blocks + 7) / 8, 256, 0, stream>>>(x, n_blocks, q0, q1, dd);
   const QuantX qx{q0, q1, dd, K};
-  static const bool staged = !env_off("HS_CUDA_STAGED");
-  if (staged && reinterpret_cast<uintptr_t>(w) % 16 == 0 && row_bytes % 16 == 0)
+  if (staged && aligned)
     return rowdot_launch<Q4_0, true>(w, row_bytes, qx, K, idx, mask, n_out, y, T, stream);
   rowdot_launch<Q4_0>(w, row_bytes, qx, K, idx, mask, n_out, y, T, stream);
 }

@@ -55,27 +55,29 @@ def test_cuda_rowdot(qtype, which, tokens):
         assert (y - cpu).abs().max().item() <= 2e-3 * max(1.0, cpu.abs().max().item())
 
 
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q8_0])
 @pytest.mark.parametrize("rows,cols", [(301, 1280), (2200, 2048), (40, 8192)])
 @pytest.mark.parametrize("tokens", [1, 3, 8])
 @pytest.mark.parametrize("which", ["all", "unsorted", "mask"])
-def test_cuda_q4_rowdot_staged(rows, cols, tokens, which):
-    """Q4_0 rows 16-byte aligned (K a multiple of 256) take the kernel that stages 32 blocks per warp in
-    shared memory: a partial last chunk (1280 = 40 blocks), one slice per row (2200 rows), four (40 rows),
-    masks; the same rows from a 2-byte-misaligned start take the half-block kernel and agree."""
-    w = random_rows(Q.Q4_0, rows, cols, seed=rows + tokens)
+def test_cuda_rowdot_staged(qtype, rows, cols, tokens, which):
+    """Q4_0/Q8_0 rows 16-byte aligned (K a multiple of 256) take the kernel that stages 32 blocks per
+    warp in shared memory: a partial last chunk (1280 = 40 blocks), one slice per row (2200 rows), four
+    (40 rows), masks; the same rows from a 2-byte-misaligned start take rowdot_kernel and agree."""
+    w = random_rows(qtype, rows, cols, seed=rows + tokens)
     x = torch.randn(tokens, cols)
     idx = None if which != "unsorted" else _index_sets(rows)["unsorted"]
     mask = torch.rand(rows, generator=torch.Generator().manual_seed(5)) < 0.3 if which == "mask" else None
-    ref = kernels.sparse_rowdot_reference(w, Q.Q4_0, x, idx, mask)
-    y = kernels.sparse_rowdot(w.cuda(), Q.Q4_0, x.cuda(), _cuda(idx), _cuda(mask)).cpu()
-    tol = 2e-3 * max(1.0, ref.abs().max().item())  # x in two 8-bit planes (~15 bits)
-    torch.testing.assert_close(y, ref, rtol=0, atol=tol)
+    ref = kernels.sparse_rowdot_reference(w, qtype, x, idx, mask)
+    y = kernels.sparse_rowdot(w.cuda(), qtype, x.cuda(), _cuda(idx), _cuda(mask)).cpu()
+    scale = max(1.0, ref.abs().max().item())
+    # Q4_0 reads x in two 8-bit planes (~15 bits), Q8_0 float32 x
+    torch.testing.assert_close(y, ref, rtol=0, atol=(2e-3 if qtype == Q.Q4_0 else 1e-4) * scale)
     flat = torch.zeros(w.numel() + 2, dtype=torch.uint8, device="cuda")
     flat[2:].copy_(w.view(-1).cuda())
     w_odd = flat[2:].view(rows, -1)
     assert w_odd.data_ptr() % 16 == 2
-    y_odd = kernels.sparse_rowdot(w_odd, Q.Q4_0, x.cuda(), _cuda(idx), _cuda(mask)).cpu()
-    torch.testing.assert_close(y_odd, y, rtol=0, atol=1e-4 * max(1.0, ref.abs().max().item()))
+    y_odd = kernels.sparse_rowdot(w_odd, qtype, x.cuda(), _cuda(idx), _cuda(mask)).cpu()
+    torch.testing.assert_close(y_odd, y, rtol=0, atol=1e-4 * scale)
 
 
 @pytest.mark.parametrize("qtype", TYPES)
