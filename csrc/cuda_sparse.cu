@@ -234,14 +234,16 @@ rowdot_kernel(const uint8_t* __restrict__ w, int64_t row_bytes, X x, int64_t K,
 }
 
 // Block-format rows a whole block per lane: a warp copies 32 consecutive blocks of its row (576 bytes
-// of Q4_0, 1088 of Q8_0, which start 16-byte aligned when the row does) into shared memory with 16-byte
-// loads, where the half- and quarter-block lanes of rowdot_kernel make 2-byte loads (18- and 34-byte
-// blocks are only 2-byte aligned), then each lane takes its block's quants from there as 32-bit words
-// (shifted by 2 bytes for the even lanes) and reads x with 16-byte loads. Rows need 16-byte alignment
-// (start and length: K a multiple of 256); launch_rowdot uses rowdot_kernel otherwise, or with
-// HS_CUDA_STAGED=0. What a lane does with its block's words:
-//   Q4_0 (x as QuantX's two planes): 16 __dp4a a token against four 16-byte loads of the planes;
-//   Q8_0 (float x): the int8 values as floats against eight 16-byte loads of x.
+// of Q4_0, which start 16-byte aligned when the row does) into shared memory with 16-byte loads, where
+// the half-block lanes of rowdot_kernel make four 2-byte loads per 8 bytes (18-byte blocks are only
+// 2-byte aligned), then each lane takes its block's quants from there as 32-bit words (shifted by 2
+// bytes for the even lanes) and reads x with 16-byte loads. Rows need 16-byte alignment (start and
+// length: K a multiple of 256); launch_rowdot uses rowdot_kernel otherwise, or with HS_CUDA_STAGED=0.
+// On an H100 (hs-bench kernels, 70B / Falcon-40B rows, side by side in one call) Q4_0 went from 44-46%
+// to 76-77% of HBM bandwidth with every row and from 29-35% to 46-47% at 10%. The same staging for
+// Q8_0 rows against float x lost (73-74% -> 33% with every row: 32 weights as floats and eight x loads
+// a lane), so Q8_0 keeps rowdot_kernel. What a lane does with its block's words:
+//   Q4_0 (x as QuantX's two planes): 16 __dp4a a token against four 16-byte loads of the planes.
 template <int64_t QT> struct Staged;
 
 template <> struct Staged<Q4_0> {
@@ -267,30 +269,6 @@ template <> struct Staged<Q4_0> {
       s1 = __dp4a(hi[0], c2.x, __dp4a(hi[1], c2.y, __dp4a(hi[2], c2.z, __dp4a(hi[3], c2.w, s1))));
       const float2 xd = x.dd[t * nb + b];
       acc[t] += dw * (xd.x * static_cast<float>(s0 * 128 + s1) - 8.f * xd.y);  // the weights' offset of 8
-    }
-  }
-};
-
-template <> struct Staged<Q8_0> {
-  using X = FloatX;
-  static constexpr int BYTES = sizeof(BlockQ8_0), WORDS = 8;
-  template <int T>
-  __device__ static __forceinline__ void dot(const uint32_t* q, float dw, int64_t b, const X& x, float* acc) {
-    float w[QK];
-#pragma unroll
-    for (int i = 0; i < WORDS; ++i)
-#pragma unroll
-      for (int j = 0; j < 4; ++j) w[4 * i + j] = byte_to_float(q[i] ^ 0x80808080u, j, 8388736.f);
-#pragma unroll
-    for (int t = 0; t < T; ++t) {
-      const float4* p = reinterpret_cast<const float4*>(x.x + t * x.K + b * QK);
-      float s = 0.f;
-#pragma unroll
-      for (int i = 0; i < QK / 4; ++i) {
-        const float4 v = __ldg(p + i);
-        s += w[4 * i] * v.x + w[4 * i + 1] * v.y + w[4 * i + 2] * v.z + w[4 * i + 3] * v.w;
-      }
-      acc[t] += dw * s;
     }
   }
 };
@@ -499,14 +477,10 @@ void launch_rowdot(int64_t qtype, const uint8_t* w, int64_t row_bytes, const flo
                    const int32_t* idx, const bool* mask, int64_t n_out, float* y, int T, uint8_t* xq,
                    cudaStream_t stream) {
   const FloatX fx{x, K};
-  static const bool staged = !env_off("HS_CUDA_STAGED");
-  const bool aligned = reinterpret_cast<uintptr_t>(w) % 16 == 0 && row_bytes % 16 == 0;
   switch (xq ? -1 : qtype) {
     case F16: return rowdot_launch<F16>(w, row_bytes, fx, K, idx, mask, n_out, y, T, stream);
     case BF16: return rowdot_launch<BF16>(w, row_bytes, fx, K, idx, mask, n_out, y, T, stream);
-    case Q8_0:
-      if (staged && aligned) return rowdot_launch<Q8_0, true>(w, row_bytes, fx, K, idx, mask, n_out, y, T, stream);
-      return rowdot_launch<Q8_0>(w, row_bytes, fx, K, idx, mask, n_out, y, T, stream);
+    case Q8_0: return rowdot_launch<Q8_0>(w, row_bytes, fx, K, idx, mask, n_out, y, T, stream);
     case Q4_0: return rowdot_launch<Q4_0>(w, row_bytes, fx, K, idx, mask, n_out, y, T, stream);
   }
   const int64_t n = T * K, n_blocks = n / QK;
@@ -515,7 +489,8 @@ void launch_rowdot(int64_t qtype, const uint8_t* w, int64_t row_bytes, const flo
   float2* dd = reinterpret_cast<float2*>(xq + 2 * n);
   quantize_x_kernel<<<(n_blocks + 7) / 8, 256, 0, stream>>>(x, n_blocks, q0, q1, dd);
   const QuantX qx{q0, q1, dd, K};
-  if (staged && aligned)
+  static const bool staged = !env_off("HS_CUDA_STAGED");
+  if (staged && reinterpret_cast<uintptr_t>(w) % 16 == 0 && row_bytes % 16 == 0)
     return rowdot_launch<Q4_0, true>(w, row_bytes, qx, K, idx, mask, n_out, y, T, stream);
   rowdot_launch<Q4_0>(w, row_bytes, qx, K, idx, mask, n_out, y, T, stream);
 }

@@ -60,10 +60,10 @@ HOST_NODES = os.environ.get("HS_HOST_NODES", "1") != "0"
 # (csrc/cuda_handover.cu): the graph's kernels write x and the mask to pinned memory and wait for y;
 # the thread that replays the graph serves the layers' tasks in order (serve_polled). A host node left
 # the GPU idle ~215 us per layer even with no CPU work (S1, H100: a step without CPU work 32.6 ms with
-# host nodes, 19.5 ms polled). With the CPU work the one side-by-side run so far, on a host whose CPU
-# part was slow and noisy, says nothing yet: polled 213 ms a token, host nodes 145 and, later in the same
-# process, 201. Host nodes stay the default until a run in alternating order says which is faster.
-HANDOVER = os.environ.get("HS_HANDOVER", "node")
+# host nodes, 19.5 ms polled). With the CPU work, alternating in one process (S1 with Q8_0 predictors,
+# H100, session 16): host nodes 70.1 and 65.7 ms a token, polled 60.0 and 57.0. HS_HANDOVER=node to
+# compare.
+HANDOVER = os.environ.get("HS_HANDOVER", "poll")
 # How long either side of a polled hand-over waits for the other before giving up with an error.
 HANDOVER_TIMEOUT_S = float(os.environ.get("HS_HANDOVER_TIMEOUT_S", "30"))
 _polled_tasks: list[int] | None = None  # while a decode step is captured: its polled tasks, in order
@@ -581,7 +581,7 @@ class polled_handover:
     inside hand over to the CPU by polling, and `tasks` lists their tasks in order; whoever replays
     the graph must then call serve_polled(tasks) (else the GPU gives up after HANDOVER_TIMEOUT_S and
     every later serve fails until the model is loaded again).
-    Outside (eager steps) and unless HS_HANDOVER=poll, hybrid layers use host nodes."""
+    Outside (eager steps) and with HS_HANDOVER=node, hybrid layers use host nodes."""
 
     def __enter__(self) -> list[int]:
         global _polled_tasks

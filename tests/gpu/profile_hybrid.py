@@ -102,7 +102,7 @@ for key, label, graphs, nodes, env in (by_key[k] for k in modes if k in by_key):
     kernels.cpu.pool_configure(*{"noyield": (2000, 2000), "sleep": (0, 0)}.get(key, (2000, 50)))
     os.environ.update(env)
     hybrid.HOT_GRAPHS = key != "events-nohg"
-    kernels.HANDOVER = "poll" if key.startswith("poll") else os.environ.get("HS_HANDOVER", "node")
+    kernels.HANDOVER = "poll" if key.startswith("poll") else "node"  # graphs/skip/serial...: host nodes
     layers.FFN_OVERLAP = key != "serial" and os.environ.get("HS_FFN_OVERLAP", "1") != "0"
     before = kernels.cpu.cold_ffn_stats()
     dt = decode(graphs, nodes)
@@ -117,7 +117,7 @@ for key, label, graphs, nodes, env in (by_key[k] for k in modes if k in by_key):
                f"{rows / steps:.0f} cold rows: {rate:5.1f} GiB/s)")
     print(f"{label:26s} {dt * 1e3:7.1f} ms per token ({1 / dt:6.2f} tok/s){cpu}")
 hybrid.HOT_GRAPHS = True
-kernels.HANDOVER = os.environ.get("HS_HANDOVER", "node")  # generate / trace below: the default hand-over
+kernels.HANDOVER = os.environ.get("HS_HANDOVER", "poll")  # generate / trace below: the default hand-over
 if "layers" in modes:  # eager steps, synchronised after every layer: where a step's time goes by layer kind
     kernels.HOST_NODES = True
     groups: dict[str, list[float]] = {}

@@ -60,9 +60,10 @@ def test_cuda_rowdot(qtype, which, tokens):
 @pytest.mark.parametrize("tokens", [1, 3, 8])
 @pytest.mark.parametrize("which", ["all", "unsorted", "mask"])
 def test_cuda_rowdot_staged(qtype, rows, cols, tokens, which):
-    """Q4_0/Q8_0 rows 16-byte aligned (K a multiple of 256) take the kernel that stages 32 blocks per
-    warp in shared memory: a partial last chunk (1280 = 40 blocks), one slice per row (2200 rows), four
-    (40 rows), masks; the same rows from a 2-byte-misaligned start take rowdot_kernel and agree."""
+    """Q4_0 rows 16-byte aligned (K a multiple of 256) take the kernel that stages 32 blocks per warp in
+    shared memory: a partial last chunk (1280 = 40 blocks), one slice per row (2200 rows), four (40
+    rows), masks; the same rows from a 2-byte-misaligned start take rowdot_kernel and agree (Q8_0 rows,
+    aligned or not, always take rowdot_kernel)."""
     w = random_rows(qtype, rows, cols, seed=rows + tokens)
     x = torch.randn(tokens, cols)
     idx = None if which != "unsorted" else _index_sets(rows)["unsorted"]
