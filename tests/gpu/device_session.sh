@@ -103,7 +103,7 @@ if [ "${HS_HANDOVER:-}" = auto ]; then  # the faster hand-over of the s1ab/s2ab 
     /^the same, polled hand-over/ {p+=$5; pc++} END {print (nc && pc && p/pc < 0.97*n/nc) ? "poll" : "node"}')
   echo "HS_HANDOVER=$HS_HANDOVER (from the alternating runs)"
 fi
-export HS_HANDOVER=${HS_HANDOVER:-poll}
+[ -n "${HS_HANDOVER:-}" ] && export HS_HANDOVER  # recorded in the JSON only when set
 for s in ${HS_SCENARIOS:-S4 S5}; do
   echo "== scenario $s"
   hs-bench scenario $s -o /dev/shm --json "$OUT/scenario-$s.json" ${HS_SCENARIO_ARGS:-} 2>&1 | tr '\r' '\n' \
