@@ -233,54 +233,23 @@ rowdot_kernel(const uint8_t* __restrict__ w, int64_t row_bytes, X x, int64_t K,
   rowdot_store<T, S>(acc, k, n_out, y);
 }
 
-// Block-format rows a whole block per lane: a warp copies 32 consecutive blocks of its row (576 bytes
-// of Q4_0, which start 16-byte aligned when the row does) into shared memory with 16-byte loads, where
-// the half-block lanes of rowdot_kernel make four 2-byte loads per 8 bytes (18-byte blocks are only
-// 2-byte aligned), then each lane takes its block's quants from there as 32-bit words (shifted by 2
-// bytes for the even lanes) and reads x with 16-byte loads. Rows need 16-byte alignment (start and
-// length: K a multiple of 256); launch_rowdot uses rowdot_kernel otherwise, or with HS_CUDA_STAGED=0.
-// On an H100 (hs-bench kernels, 70B / Falcon-40B rows, side by side in one call) Q4_0 went from 44-46%
-// to 76-77% of HBM bandwidth with every row and from 29-35% to 46-47% at 10%. The same staging for
-// Q8_0 rows against float x lost (73-74% -> 33% with every row: 32 weights as floats and eight x loads
-// a lane), so Q8_0 keeps rowdot_kernel. What a lane does with its block's words:
-//   Q4_0 (x as QuantX's two planes): 16 __dp4a a token against four 16-byte loads of the planes.
-template <int64_t QT> struct Staged;
-
-template <> struct Staged<Q4_0> {
-  using X = QuantX;
-  static constexpr int BYTES = sizeof(BlockQ4_0), WORDS = 4;
-  template <int T>
-  __device__ static __forceinline__ void dot(const uint32_t* q, float dw, int64_t b, const X& x, float* acc) {
-    int lo[4], hi[4];  // elements 4i..4i+3 and 16+4i..16+4i+3
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      lo[i] = static_cast<int>(q[i] & 0x0F0F0F0Fu);
-      hi[i] = static_cast<int>((q[i] >> 4) & 0x0F0F0F0Fu);
-    }
-    const int64_t nb = x.K / QK;
-#pragma unroll
-    for (int t = 0; t < T; ++t) {
-      const int4* p0 = reinterpret_cast<const int4*>(x.q0 + t * x.K + b * QK);
-      const int4* p1 = reinterpret_cast<const int4*>(x.q1 + t * x.K + b * QK);
-      const int4 a = __ldg(p0), a2 = __ldg(p0 + 1), c = __ldg(p1), c2 = __ldg(p1 + 1);
-      int s0 = __dp4a(lo[0], a.x, __dp4a(lo[1], a.y, __dp4a(lo[2], a.z, __dp4a(lo[3], a.w, 0))));
-      s0 = __dp4a(hi[0], a2.x, __dp4a(hi[1], a2.y, __dp4a(hi[2], a2.z, __dp4a(hi[3], a2.w, s0))));
-      int s1 = __dp4a(lo[0], c.x, __dp4a(lo[1], c.y, __dp4a(lo[2], c.z, __dp4a(lo[3], c.w, 0))));
-      s1 = __dp4a(hi[0], c2.x, __dp4a(hi[1], c2.y, __dp4a(hi[2], c2.z, __dp4a(hi[3], c2.w, s1))));
-      const float2 xd = x.dd[t * nb + b];
-      acc[t] += dw * (xd.x * static_cast<float>(s0 * 128 + s1) - 8.f * xd.y);  // the weights' offset of 8
-    }
-  }
-};
-
-template <int64_t QT, int T, int S>
+// Q4_0 rows a whole block per lane: a warp copies 32 consecutive blocks of its row (576 bytes, which
+// start 16-byte aligned when the row does) into shared memory with 16-byte loads, where the half-block
+// lanes of rowdot_kernel make four 2-byte loads per 8 bytes (18-byte blocks are only 2-byte aligned),
+// then each lane takes its block's quants from there as four 32-bit words (shifted by 2 bytes for the
+// even lanes) and makes 16 __dp4a a token against four 16-byte loads of QuantX's planes. Rows need
+// 16-byte alignment (start and length: K a multiple of 256); launch_rowdot uses rowdot_kernel
+// otherwise, or with HS_CUDA_STAGED=0. On an H100 (hs-bench kernels, 70B / Falcon-40B rows, side by
+// side in one call) Q4_0 went from 44-46% to 76-77% of HBM bandwidth with every row and from 29-35% to
+// 46-47% at 10%. The same staging for Q8_0 rows against float x lost (73-74% -> 33% with every row: 32
+// weights as floats and eight x loads a lane), so Q8_0 keeps rowdot_kernel.
+template <int T, int S>
 __global__ void __launch_bounds__(32 * DOT_WARPS)
-rowdot_staged_kernel(const uint8_t* __restrict__ w, int64_t row_bytes, typename Staged<QT>::X x, int64_t K,
+rowdot_staged_kernel(const uint8_t* __restrict__ w, int64_t row_bytes, QuantX x, int64_t K,
                      const int32_t* __restrict__ idx, const bool* __restrict__ mask, int64_t n_out,
                      float* __restrict__ y) {
-  using B = Staged<QT>;
-  constexpr int ROWS = DOT_WARPS / S, CHUNK = 32 * B::BYTES, VECS = CHUNK / 16;
-  // 16 bytes beyond each warp's chunk: the last lane's last word, which the odd lanes read and do not use
+  constexpr int BYTES = sizeof(BlockQ4_0), ROWS = DOT_WARPS / S, CHUNK = 32 * BYTES, VECS = CHUNK / 16;
+  // 16 bytes beyond each warp's chunk: the last lane's fifth word, which the odd lanes read and do not use
   __shared__ __align__(16) uint8_t stage[DOT_WARPS][CHUNK + 16];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, slice = warp % S;
   const int64_t k = static_cast<int64_t>(blockIdx.x) * ROWS + warp / S;
@@ -294,15 +263,15 @@ rowdot_staged_kernel(const uint8_t* __restrict__ w, int64_t row_bytes, typename 
     const int64_t per_slice = (chunks + S - 1) / S;
     const int64_t c_end = min(chunks, (slice + 1) * per_slice);
     uint8_t* st = stage[warp];
-    const int off = lane * B::BYTES;  // this lane's block in the chunk; its quants 2 bytes on
+    const int off = lane * BYTES;  // this lane's block in the chunk; its quants 2 bytes on
     const uint32_t* words = reinterpret_cast<const uint32_t*>(st + ((off + 2) & ~3));
     const int shift = ((off + 2) & 3) * 8;
     for (int64_t c = slice * per_slice; c < c_end; ++c) {
       const int64_t b0 = c * 32;
       const int nblk = static_cast<int>(min(static_cast<int64_t>(32), nb - b0));
       // the last 16 bytes may pass the row's end (within the same aligned 16 bytes)
-      const int nvec = (nblk * B::BYTES + 15) / 16;
-      const uint4* src = reinterpret_cast<const uint4*>(wr + b0 * B::BYTES);
+      const int nvec = (nblk * BYTES + 15) / 16;
+      const uint4* src = reinterpret_cast<const uint4*>(wr + b0 * BYTES);
       uint4 v[(VECS + 31) / 32];
 #pragma unroll
       for (int j = 0; j < (VECS + 31) / 32; ++j)
@@ -312,12 +281,27 @@ rowdot_staged_kernel(const uint8_t* __restrict__ w, int64_t row_bytes, typename 
       for (int j = 0; j < (VECS + 31) / 32; ++j)
         if (lane + 32 * j < VECS) reinterpret_cast<uint4*>(st)[lane + 32 * j] = v[j];
       __syncwarp();
-      if (lane < nblk) {
-        const float dw = __half2float(__ushort_as_half(*reinterpret_cast<const unsigned short*>(st + off)));
-        uint32_t q[B::WORDS];
+      if (lane >= nblk) continue;
+      const float dw = __half2float(__ushort_as_half(*reinterpret_cast<const unsigned short*>(st + off)));
+      int lo[4], hi[4];  // elements 4i..4i+3 and 16+4i..16+4i+3
 #pragma unroll
-        for (int i = 0; i < B::WORDS; ++i) q[i] = __funnelshift_r(words[i], words[i + 1], shift);
-        B::template dot<T>(q, dw, b0 + lane, x, acc);
+      for (int i = 0; i < 4; ++i) {
+        const uint32_t q = __funnelshift_r(words[i], words[i + 1], shift);
+        lo[i] = static_cast<int>(q & 0x0F0F0F0Fu);
+        hi[i] = static_cast<int>((q >> 4) & 0x0F0F0F0Fu);
+      }
+      const int64_t b = b0 + lane;
+#pragma unroll
+      for (int t = 0; t < T; ++t) {
+        const int4* p0 = reinterpret_cast<const int4*>(x.q0 + t * K + b * QK);
+        const int4* p1 = reinterpret_cast<const int4*>(x.q1 + t * K + b * QK);
+        const int4 a = __ldg(p0), a2 = __ldg(p0 + 1), c0 = __ldg(p1), c2 = __ldg(p1 + 1);
+        int s0 = __dp4a(lo[0], a.x, __dp4a(lo[1], a.y, __dp4a(lo[2], a.z, __dp4a(lo[3], a.w, 0))));
+        s0 = __dp4a(hi[0], a2.x, __dp4a(hi[1], a2.y, __dp4a(hi[2], a2.z, __dp4a(hi[3], a2.w, s0))));
+        int s1 = __dp4a(lo[0], c0.x, __dp4a(lo[1], c0.y, __dp4a(lo[2], c0.z, __dp4a(lo[3], c0.w, 0))));
+        s1 = __dp4a(hi[0], c2.x, __dp4a(hi[1], c2.y, __dp4a(hi[2], c2.z, __dp4a(hi[3], c2.w, s1))));
+        const float2 xd = x.dd[t * nb + b];
+        acc[t] += dw * (xd.x * static_cast<float>(s0 * 128 + s1) - 8.f * xd.y);  // the weights' offset of 8
       }
     }
   }
@@ -409,7 +393,7 @@ axpy_kernel(const uint8_t* __restrict__ w, int64_t row_bytes, const float* __res
   }
 }
 
-// rowdot_kernel, or with STAGED rowdot_staged_kernel (X = Staged<QT>::X)
+// rowdot_kernel, or with STAGED rowdot_staged_kernel (Q4_0 rows, X = QuantX)
 template <int64_t QT, int T, bool STAGED, typename X>
 void rowdot_launch_t(const uint8_t* w, int64_t row_bytes, X x, int64_t K, const int32_t* idx,
                      const bool* mask, int64_t n_out, float* y, cudaStream_t stream) {
@@ -418,9 +402,9 @@ void rowdot_launch_t(const uint8_t* w, int64_t row_bytes, X x, int64_t K, const 
   const int64_t rows_per_block = DOT_WARPS / S;
   const dim3 grid((n_out + rows_per_block - 1) / rows_per_block), block(32 * DOT_WARPS);
   if constexpr (STAGED) {
-    if (S == 1) rowdot_staged_kernel<QT, T, 1><<<grid, block, 0, stream>>>(w, row_bytes, x, K, idx, mask, n_out, y);
-    else if (S == 2) rowdot_staged_kernel<QT, T, 2><<<grid, block, 0, stream>>>(w, row_bytes, x, K, idx, mask, n_out, y);
-    else rowdot_staged_kernel<QT, T, 4><<<grid, block, 0, stream>>>(w, row_bytes, x, K, idx, mask, n_out, y);
+    if (S == 1) rowdot_staged_kernel<T, 1><<<grid, block, 0, stream>>>(w, row_bytes, x, K, idx, mask, n_out, y);
+    else if (S == 2) rowdot_staged_kernel<T, 2><<<grid, block, 0, stream>>>(w, row_bytes, x, K, idx, mask, n_out, y);
+    else rowdot_staged_kernel<T, 4><<<grid, block, 0, stream>>>(w, row_bytes, x, K, idx, mask, n_out, y);
   } else {
     if (S == 1) rowdot_kernel<QT, T, 1><<<grid, block, 0, stream>>>(w, row_bytes, x, K, idx, mask, n_out, y);
     else if (S == 2) rowdot_kernel<QT, T, 2><<<grid, block, 0, stream>>>(w, row_bytes, x, K, idx, mask, n_out, y);
