@@ -275,7 +275,7 @@ def write_synthetic_activity(path: Path, layers: int, d: int, ff: int, density: 
 
 def _ngl_for_budget(model: Path, budget: int, n_ctx: int) -> int:
     """The most layers llama.cpp's split fits in `budget`, counted as the solver counts VRAM."""
-    from hybridsparse.solver.plan import CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES, MARGIN
+    from hybridsparse.solver.plan import CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES, margin_bytes
     from .gguf_file import GGUFFile
     g = GGUFFile(model)
     a = g.architecture
@@ -286,7 +286,7 @@ def _ngl_for_budget(model: Path, budget: int, n_ctx: int) -> int:
                  for i in range(n_layers)]
     head = (g.tensors.get("output.weight") or g.tensors["token_embd.weight"]).nbytes
     g.close()
-    free = budget - CUDA_CONTEXT_BYTES - CUBLAS_WORKSPACE_BYTES - (64 << 20) - int(MARGIN * budget)
+    free = budget - CUDA_CONTEXT_BYTES - CUBLAS_WORKSPACE_BYTES - (64 << 20) - margin_bytes(budget)
     k = 0
     while k < n_layers and sum(per_layer[n_layers - k - 1:]) <= free:
         k += 1

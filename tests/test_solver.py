@@ -27,7 +27,7 @@ def tiny_problem(seed, budget_extra_mib, sync_us=20.0, pcie_budget=None):
     hw = Hardware(gpu_bw=900e9, cpu_bw=60e9, sync_s=sync_us * 1e-6, pcie_budget=pcie_budget)
     p = Problem(layers, head_bytes=30 * MiB, d_model=1024, vram_budget=0, hw=hw, group=4)
     p.vram_budget = p.fixed_vram() + budget_extra_mib * MiB
-    p.vram_budget = int((p.fixed_vram() + budget_extra_mib * MiB) / 0.97)  # the margin is 3% of the budget
+    p.vram_budget = int((p.fixed_vram() + budget_extra_mib * MiB) / 0.97)  # the margin is 3% of the budget (below its cap)
     return p
 
 
