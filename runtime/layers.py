@@ -171,6 +171,22 @@ class Rotary:
         return torch.cat([out, rest], dim=-1) if rest.shape[-1] else out
 
 
+def rope_qk(rope: Rotary, q: torch.Tensor, k: torch.Tensor, step: "Step") -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, Hq, D] and k [T, Hk, D] rotated at the step's positions: one kernel for both when k's heads
+    follow q's in one buffer, as in the fused q/k/v projection's output (a decode step's launches: one
+    fewer a layer)."""
+    T, hq, d = q.shape
+    adjacent = (k.shape[0] == T and k.shape[2] == d and q.dtype == k.dtype and q.stride()[1:] == (d, 1)
+                and k.stride()[1:] == (d, 1) and (T == 1 or k.stride(0) == q.stride(0))
+                and q.untyped_storage().data_ptr() == k.untyped_storage().data_ptr()
+                and k.data_ptr() == q.data_ptr() + hq * d * q.element_size())
+    if not adjacent:
+        return rope.apply(q, step), rope.apply(k, step)
+    qk = q.as_strided((T, hq + k.shape[1], d), q.stride())
+    out = rope.apply(qk, step)
+    return (q, k) if out is qk else (out[:, :hq], out[:, hq:])
+
+
 # --- attention -----------------------------------------------------------------------------------
 
 @dataclass(slots=True)

@@ -139,3 +139,29 @@ def test_batched_sequences_equal_one_at_a_time(name, tmp_path):
     _, ours = build_case(name, tmp_path)
     for got, want in batched_vs_alone(ours, random_prompts(2, (5, 9, 2)), ([[7], [11], [13]], [[3, 4], [5], [6, 8, 9]])):
         _close(got, want)
+
+
+@pytest.mark.parametrize("style", ["neox", "norm"])
+@pytest.mark.parametrize("tokens", [1, 3])  # one token: the compiled kernel in place; several: the twin
+def test_rope_qk_rotates_adjacent_q_and_k_in_one_call(style, tokens):
+    """rope_qk over q and k that are views of one fused q/k/v output (one call for both heads' sets)
+    gives what two separate calls give, and leaves v alone; q and k from separate buffers too."""
+    from hybridsparse.runtime.layers import Rotary, Step, rope_qk
+    rope = Rotary(32, 10000.0, 64, style)
+    positions = torch.tensor([7, 8, 30][:tokens])
+    hq, hk, d = 4, 2, 32
+    qkv = torch.randn(tokens, (hq + 2 * hk) * d, generator=torch.Generator().manual_seed(3))
+    q_ref = rope.apply(qkv[:, :hq * d].clone().view(tokens, hq, d), Step(positions, 31))
+    k_ref = rope.apply(qkv[:, hq * d:(hq + hk) * d].clone().view(tokens, hk, d), Step(positions, 31))
+    v_before = qkv[:, (hq + hk) * d:].clone()
+    calls = []
+    apply = rope.apply
+    rope.apply = lambda x, step: calls.append(x.shape) or apply(x, step)
+    q, k, v = qkv.split([hq * d, hk * d, hk * d], dim=-1)
+    q, k = rope_qk(rope, q.reshape(tokens, hq, d), k.reshape(tokens, hk, d), Step(positions, 31))
+    assert calls == [(tokens, hq + hk, d)]  # one call over both
+    torch.testing.assert_close(q, q_ref)
+    torch.testing.assert_close(k, k_ref)
+    torch.testing.assert_close(v, v_before)
+    q2, k2 = rope_qk(rope, qkv[:, :hq * d].clone().view(tokens, hq, d), torch.randn(tokens, hk, d), Step(positions, 31))
+    assert q2.shape == (tokens, hq, d) and k2.shape == (tokens, hk, d) and len(calls) == 3  # apart: two calls

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import torch
 
 from ..gguf_file import GGUFFile
-from ..layers import FFN_VARIANTS, FFNWeights, KVCache, Rotary, Step, attend, default_scale, ffn_start, layer_norm
-from ..weights import QWeight, linear
+from ..layers import FFN_VARIANTS, FFNWeights, KVCache, Rotary, Step, attend, default_scale, ffn_start, layer_norm, rope_qk
+from ..weights import QWeight, linear, linear_many
 from . import register
 from .base import CausalLM, LMConfig, NormWeights, load_ffn
 
@@ -72,9 +72,9 @@ class Falcon(CausalLM):
         # attention and FFN both read x: the FFN first, so that a hybrid layer's CPU part runs while
         # the GPU computes the attention (ffn_start)
         f = ffn_start(h_ffn, L.ffn, FFN_VARIANTS[c.ffn_variant])
-        q = rope.apply(linear(h, L.q).view(-1, c.n_heads, c.head_dim), step)
-        k = rope.apply(linear(h, L.k).view(-1, c.n_kv_heads, c.head_dim), step)
-        v = linear(h, L.v).view(-1, c.n_kv_heads, c.head_dim)
+        q, k, v = linear_many(h, [L.q, L.k, L.v])  # rows of one attn_qkv buffer: one matmul
+        q, k = rope_qk(rope, q.reshape(-1, c.n_heads, c.head_dim), k.reshape(-1, c.n_kv_heads, c.head_dim), step)
+        v = v.reshape(-1, c.n_kv_heads, c.head_dim)
         a = linear(attend(q, k, v, cache, step, None, default_scale(c.head_dim)), L.o)
         return x + a + f()
 

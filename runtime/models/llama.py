@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ..gguf_file import GGUFFile
-from ..layers import FFN_VARIANTS, FFNWeights, KVCache, Rotary, Step, attend, default_scale, ffn, rms_norm
+from ..layers import FFN_VARIANTS, FFNWeights, KVCache, Rotary, Step, attend, default_scale, ffn, rms_norm, rope_qk
 from ..weights import QWeight, linear, linear_many
 from . import register
 from .base import CausalLM, LMConfig, NormWeights, load_ffn
@@ -88,7 +88,7 @@ class Llama(CausalLM):
         q = q.reshape(-1, c.n_heads, c.head_dim)
         k = k.reshape(-1, c.n_kv_heads, c.head_dim)
         v = v.reshape(-1, c.n_kv_heads, c.head_dim)
-        q, k = rope.apply(q, step), rope.apply(k, step)
+        q, k = rope_qk(rope, q, k, step)
         x = x + linear(attend(q, k, v, cache, step, None, default_scale(c.head_dim)), L.o)
         return x + ffn(rms_norm(x, L.ffn_norm, c.norm_eps), L.ffn, FFN_VARIANTS[c.ffn_variant])
 

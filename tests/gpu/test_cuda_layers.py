@@ -34,6 +34,24 @@ def test_rope_on_a_strided_view(style, rot_dim):
     torch.testing.assert_close(qkv[:, :4 * 64].view(3, 4, 64), ref)  # in place
 
 
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_rope_qk_one_launch_for_adjacent_q_and_k(tokens):
+    """rope_qk on q and k that are views of one fused projection output: one in-place launch over
+    both, equal to the twin on each; v untouched."""
+    from hybridsparse.runtime.layers import rope_qk
+    rope = Rotary(64, 10000.0, 64, "norm").to("cuda")
+    qkv = torch.randn(tokens, (4 + 2 + 2) * 64, device="cuda")
+    before = qkv.clone()
+    positions = torch.tensor([5, 6, 40][:tokens], device="cuda")
+    cos, sin = rope.cos[positions].unsqueeze(1), rope.sin[positions].unsqueeze(1)
+    q, k, _ = qkv.split([4 * 64, 2 * 64, 2 * 64], dim=-1)
+    q, k = rope_qk(rope, q.reshape(tokens, 4, 64), k.reshape(tokens, 2, 64), Step(positions, 41))
+    torch.testing.assert_close(q, rope.apply_reference(before[:, :256].view(tokens, 4, 64), cos, sin))
+    torch.testing.assert_close(k, rope.apply_reference(before[:, 256:384].view(tokens, 2, 64), cos, sin))
+    torch.testing.assert_close(qkv[:, 384:], before[:, 384:])
+    assert q.data_ptr() == qkv.data_ptr()  # in place
+
+
 @pytest.mark.parametrize("cache_dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("tokens,window,n_q,n_kv,D", [(1, None, 8, 8, 64), (1, None, 8, 2, 128), (3, None, 4, 1, 256),
                                                      (1, 16, 4, 2, 64), (4, 8, 4, 4, 80)])
