@@ -540,9 +540,15 @@ def roofline_seconds(layers: list[tuple[float, float]], head: tuple[float, float
 
 def _placement_bytes(lm, cfg) -> tuple[list[tuple[float, float]], tuple[float, float]]:
     """Expected bytes each device reads per token, per layer (dense blocks whole, FFN neurons by their
-    profile frequency when sparse) and for the head: ([(gpu, cpu)] per layer, (gpu, cpu) head)."""
+    profile frequency when sparse) and for the head: ([(gpu, cpu)] per layer, (gpu, cpu) head).
+    A dense FFN of a ReLU model with `ffn_down_t` reads the down row of a neuron only where it fired
+    (the transposed down projection skips h = 0 on both devices): with a profile, those rows count
+    by the layer's mean firing rate (counted whole, they had the dense split of S1 at 114% of a bound
+    drawn from bytes it never read)."""
     from .hybrid import HybridFFN
+    from .layers import FFN_VARIANTS
     model, g = lm.model, lm.gguf
+    relu = FFN_VARIANTS[model.config.ffn_variant].activation == "relu"
     freqs = None  # predictor mode: the expected active bytes come from the profile's frequencies
     profile_dir = Path(g.path).with_name(Path(g.path).stem + ".hs-profile")
     if cfg.get("mode") == "predictor" and profile_dir.is_dir():
@@ -576,6 +582,9 @@ def _placement_bytes(lm, cfg) -> tuple[list[tuple[float, float]], tuple[float, f
             gb += f.n_hot * per * (f.fast is not None and f.fast.type == "cuda")
             cb += f.n_cold * per
         else:
+            down = f"blk.{i}.ffn_down_t.weight"
+            if relu and freqs is not None and getattr(f, "down_transposed", False) and down in g.tensors:
+                ffn_bytes -= g.tensors[down].nbytes * (1.0 - float(freqs[i].float().mean()))
             gb, cb = (gb + ffn_bytes, cb) if dev == "cuda" else (gb, cb + ffn_bytes)
         layers.append((gb, cb))
     head = g.tensors.get("output.weight") or g.tensors["token_embd.weight"]

@@ -116,6 +116,28 @@ def test_roofline_hand_checked():
     assert bench.roofline_seconds(layers, head, gbw, cbw, overlap=False, sync_s=sync) == pytest.approx(expect)
 
 
+@pytest.mark.parametrize("name", ["tiny", "tiny-falcon"])
+def test_dense_bytes_count_the_down_rows_relu_leaves_unread(tmp_path, name):
+    """The dense engine's bytes per token (the roofline's): a ReLU model with ffn_down_t reads the down
+    row of a neuron only where it fired (the transposed down projection skips h = 0), so those rows
+    count by the profile's mean firing rate; with ffn_down (llama.cpp layout) every row counts."""
+    from hybridsparse.runtime.loader import open_model
+    for layout in ("powerinfer", "llama.cpp"):
+        path = write_synth(tmp_path / layout, name, "f16", layout, predictor_width=64)
+        g = GGUFFile(path)
+        freqs = load_profile(path.with_name(path.stem + ".hs-profile")).frequencies()
+        lm = open_model(path, 0)
+        layers, head = bench._placement_bytes(lm, {"mode": "predictor"})
+        for i, (gb, cb) in enumerate(layers):
+            names = [n for n in g.tensors if n.startswith(f"blk.{i}.") and ".fc" not in n]
+            whole = sum(g.tensors[n].nbytes for n in names)
+            down = f"blk.{i}.ffn_down_t.weight"
+            unread = g.tensors[down].nbytes * (1 - float(freqs[i].mean())) if layout == "powerinfer" else 0.0
+            assert gb == 0.0 and cb == pytest.approx(whole - unread, rel=1e-6), (layout, i)
+            assert layout == "llama.cpp" or unread > 0.5 * g.tensors[down].nbytes  # ReLU: most rows unread
+        assert head[0] == 0.0 and head[1] > 0
+
+
 def test_bad_input_is_one_clear_error(tmp_path, capsys):
     assert bench.main(["synth", "--shape", "llama-9b", "-o", str(tmp_path)]) == 1
     err = capsys.readouterr().err.strip().splitlines()
