@@ -9,11 +9,14 @@
 //   layer_norm the same with the mean taken out and an optional bias (torch's kernel runs one token's
 //              row of 8192 in ~15 us: Falcon-40B's 121 norms a step took 1.8 ms on the H200)
 //   gated_act  act(gate) * up, or act(gate) * act(up)
-// Positions are read on the device, so CUDA graphs replay these for any position.
+// Positions are read on the device, so CUDA graphs replay these for any position. HS_CUDA_PDL=1: each
+// may start while the kernel before it ends and waits for it first (csrc/cuda_launch.h).
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
+
+#include "cuda_launch.h"
 
 namespace hs {
 namespace {
@@ -31,6 +34,8 @@ __device__ __forceinline__ float warp_sum(float s) {
 
 __global__ void rope_kernel(float* x, int64_t st, int64_t sh, int H, int half, const float* cos,
                             const float* sin, bool neox, int64_t total) {
+  pdl_wait();
+  pdl_launch_dependents();
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= total) return;
   const int64_t j = i % half, th = i / half, h = th % H, t = th / H;
@@ -46,6 +51,8 @@ template <typename C>
 __global__ void kv_store_kernel(const float* k, const float* v, int64_t skt, int64_t skh, int64_t svt,
                                 int64_t svh, C* kc, C* vc, const int64_t* pos, int Hkv, int64_t n_ctx, int D,
                                 int64_t total) {
+  pdl_wait();
+  pdl_launch_dependents();
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= total) return;
   const int64_t d = i % D, th = i / D, h = th % Hkv, t = th / Hkv;
@@ -100,6 +107,8 @@ __global__ void __launch_bounds__(32 * ATT_WARPS)
 attention_kernel(const float* q, int64_t sqt, int64_t sqh, const C* kc, const C* vc, const int64_t* pos,
                  int Hq, int group, int64_t n_ctx, int D, int64_t kv_len, int64_t window, float scale, int chunk,
                  int n_chunks, float* out, float* part_o, float* part_ml) {
+  pdl_wait();
+  pdl_launch_dependents();
   __shared__ float qs[ATT_MAX_D], scores[ATT_MAX_CHUNK];
   const int th = blockIdx.x, s = blockIdx.y, t = th / Hq, h = th % Hq, hk = h / group;
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
@@ -171,6 +180,8 @@ attention_kernel(const float* q, int64_t sqt, int64_t sqh, const C* kc, const C*
 // head), threads over head_dim.
 __global__ void attention_combine_kernel(const float* part_o, const float* part_ml, int n_chunks, int D,
                                          float* out) {
+  pdl_wait();
+  pdl_launch_dependents();
   const int64_t th = blockIdx.x;
   const float* ml = part_ml + th * n_chunks * 2;
   float mx = -INFINITY;
@@ -203,6 +214,8 @@ __device__ __forceinline__ float block_sum(float v, float* part) {
 }
 
 __global__ void rms_norm_kernel(const float* x, const float* w, float* y, int64_t D, float eps) {
+  pdl_wait();
+  pdl_launch_dependents();
   const float* xr = x + blockIdx.x * D;
   float* yr = y + blockIdx.x * D;
   __shared__ float part[32];
@@ -213,6 +226,8 @@ __global__ void rms_norm_kernel(const float* x, const float* w, float* y, int64_
 }
 
 __global__ void layer_norm_kernel(const float* x, const float* w, const float* b, float* y, int64_t D, float eps) {
+  pdl_wait();
+  pdl_launch_dependents();
   const float* xr = x + blockIdx.x * D;
   float* yr = y + blockIdx.x * D;
   __shared__ float part[32];
@@ -242,6 +257,8 @@ __device__ __forceinline__ float act_f(float x, int act) {
 
 __global__ void gated_act_kernel(const float* g, int64_t sg, const float* u, int64_t su, float* y, int64_t N,
                                  int64_t total, int act, bool act_on_up) {
+  pdl_wait();
+  pdl_launch_dependents();
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= total) return;
   const int64_t t = i / N, n = i % N;
@@ -259,7 +276,7 @@ int norm_threads(int64_t D) { return D >= 4096 ? 1024 : (D >= 1024 ? 512 : 256);
 void launch_rope(float* x, int64_t st, int64_t sh, int64_t T, int H, int half, const float* cos, const float* sin,
                  bool neox, cudaStream_t stream) {
   const int64_t total = T * H * half;
-  if (total) rope_kernel<<<blocks(total, 256), 256, 0, stream>>>(x, st, sh, H, half, cos, sin, neox, total);
+  if (total) launch(rope_kernel, dim3(blocks(total, 256)), dim3(256), 0, stream, x, st, sh, H, half, cos, sin, neox, total);
 }
 
 void launch_kv_store(const float* k, const float* v, int64_t skt, int64_t skh, int64_t svt, int64_t svh,
@@ -268,11 +285,11 @@ void launch_kv_store(const float* k, const float* v, int64_t skt, int64_t skh, i
   const int64_t total = T * Hkv * D;
   if (!total) return;
   if (half_cache)
-    kv_store_kernel<__half><<<blocks(total, 256), 256, 0, stream>>>(
-        k, v, skt, skh, svt, svh, static_cast<__half*>(kc), static_cast<__half*>(vc), pos, Hkv, n_ctx, D, total);
+    launch(kv_store_kernel<__half>, dim3(blocks(total, 256)), dim3(256), 0, stream, k, v, skt, skh, svt, svh,
+           static_cast<__half*>(kc), static_cast<__half*>(vc), pos, Hkv, n_ctx, D, total);
   else
-    kv_store_kernel<float><<<blocks(total, 256), 256, 0, stream>>>(
-        k, v, skt, skh, svt, svh, static_cast<float*>(kc), static_cast<float*>(vc), pos, Hkv, n_ctx, D, total);
+    launch(kv_store_kernel<float>, dim3(blocks(total, 256)), dim3(256), 0, stream, k, v, skt, skh, svt, svh,
+           static_cast<float*>(kc), static_cast<float*>(vc), pos, Hkv, n_ctx, D, total);
 }
 
 // How many cache positions each attention block takes: 64, or 32 when 64 would leave fewer than two
@@ -293,16 +310,16 @@ void launch_attention(const float* q, int64_t sqt, int64_t sqh, const void* kc, 
   const int chunk = attention_chunk(T, Hq, kv_len), n_chunks = attention_chunks(T, Hq, kv_len);
   const dim3 grid(static_cast<unsigned>(T * Hq), static_cast<unsigned>(n_chunks)), block(32 * ATT_WARPS);
   if (half_cache)
-    attention_kernel<__half><<<grid, block, 0, stream>>>(q, sqt, sqh, static_cast<const __half*>(kc),
-                                                      static_cast<const __half*>(vc), pos, Hq, Hq / Hkv, n_ctx, D,
-                                                      kv_len, window, scale, chunk, n_chunks, out, part_o, part_ml);
+    launch(attention_kernel<__half>, grid, block, 0, stream, q, sqt, sqh, static_cast<const __half*>(kc),
+           static_cast<const __half*>(vc), pos, Hq, Hq / Hkv, n_ctx, D, kv_len, window, scale, chunk, n_chunks, out,
+           part_o, part_ml);
   else
-    attention_kernel<float><<<grid, block, 0, stream>>>(q, sqt, sqh, static_cast<const float*>(kc),
-                                                     static_cast<const float*>(vc), pos, Hq, Hq / Hkv, n_ctx, D,
-                                                     kv_len, window, scale, chunk, n_chunks, out, part_o, part_ml);
+    launch(attention_kernel<float>, grid, block, 0, stream, q, sqt, sqh, static_cast<const float*>(kc),
+           static_cast<const float*>(vc), pos, Hq, Hq / Hkv, n_ctx, D, kv_len, window, scale, chunk, n_chunks, out,
+           part_o, part_ml);
   if (n_chunks > 1)
-    attention_combine_kernel<<<static_cast<unsigned>(T * Hq), D <= 128 ? 128 : 256, 0, stream>>>(part_o, part_ml,
-                                                                                                 n_chunks, D, out);
+    launch(attention_combine_kernel, dim3(static_cast<unsigned>(T * Hq)), dim3(D <= 128 ? 128 : 256), 0, stream,
+           part_o, part_ml, n_chunks, D, out);
 }
 
 int attention_max_head_dim() { return ATT_MAX_D; }
@@ -310,18 +327,20 @@ int attention_max_kv() { return ATT_MAX_KV; }
 
 void launch_rms_norm(const float* x, const float* w, float* y, int64_t rows, int64_t D, float eps,
                      cudaStream_t stream) {
-  if (rows) rms_norm_kernel<<<static_cast<unsigned>(rows), norm_threads(D), 0, stream>>>(x, w, y, D, eps);
+  if (rows) launch(rms_norm_kernel, dim3(static_cast<unsigned>(rows)), dim3(norm_threads(D)), 0, stream, x, w, y, D, eps);
 }
 
 void launch_layer_norm(const float* x, const float* w, const float* b, float* y, int64_t rows, int64_t D, float eps,
                        cudaStream_t stream) {
-  if (rows) layer_norm_kernel<<<static_cast<unsigned>(rows), norm_threads(D), 0, stream>>>(x, w, b, y, D, eps);
+  if (rows)
+    launch(layer_norm_kernel, dim3(static_cast<unsigned>(rows)), dim3(norm_threads(D)), 0, stream, x, w, b, y, D, eps);
 }
 
 void launch_gated_act(const float* g, int64_t sg, const float* u, int64_t su, float* y, int64_t T, int64_t N,
                       int act, bool act_on_up, cudaStream_t stream) {
   const int64_t total = T * N;
-  if (total) gated_act_kernel<<<blocks(total, 256), 256, 0, stream>>>(g, sg, u, su, y, N, total, act, act_on_up);
+  if (total)
+    launch(gated_act_kernel, dim3(blocks(total, 256)), dim3(256), 0, stream, g, sg, u, su, y, N, total, act, act_on_up);
 }
 
 }  // namespace hs

@@ -11,7 +11,9 @@
 //                                            rows whose h is zero for every token are not read;
 //                                            the 8 warps' partial sums meet in shared memory and
 //                                            one atomicAdd per column and block goes to y
-// Everything runs on torch's current stream with no host synchronisation (CUDA-graph capturable).
+// Everything runs on torch's current stream with no host synchronisation (CUDA-graph capturable);
+// HS_CUDA_PDL=1 launches with programmatic dependent launch (csrc/cuda_launch.h): a row-dot over every
+// row prefetches the start of its rows into L2 before it waits for the kernel before it.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -19,6 +21,7 @@
 #include <cstdint>
 #include <cstdlib>
 
+#include "cuda_launch.h"
 #include "quant_blocks.h"
 
 namespace hs {
@@ -180,6 +183,15 @@ struct QuantX {
   }
 };
 
+// Before a dense row-dot waits for the kernel before it (HS_CUDA_PDL=1): the first 2 KiB of this
+// warp's slice of its row into L2, where the loads after the wait find them (weights: no kernel
+// writes them, so they may be read early). Only with every row (idx null): an index list or a mask
+// may still be being written.
+__device__ __forceinline__ void prefetch_row_start(const uint8_t* row, int64_t row_bytes, int S, int slice, int lane) {
+  const int64_t per = row_bytes / S;
+  prefetch_l2_warp(row + slice * per, per < 2048 ? per : 2048, lane);
+}
+
 // The end of a row-dot block: each warp's lane sums meet (warp_sum), the S slices of a row in shared
 // memory, and y[t, k] is written (rows past n_out only join the block's barrier).
 template <int T, int S>
@@ -213,11 +225,14 @@ template <int64_t QT, int T, int S, typename X>
 __global__ void __launch_bounds__(32 * DOT_WARPS)
 rowdot_kernel(const uint8_t* __restrict__ w, int64_t row_bytes, X x, int64_t K,
               const int32_t* __restrict__ idx, const bool* __restrict__ mask, int64_t n_out,
-              float* __restrict__ y) {
+              float* __restrict__ y, bool early) {
   using U = Unit<QT>;
   constexpr int ROWS = DOT_WARPS / S;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, slice = warp % S;
   const int64_t k = static_cast<int64_t>(blockIdx.x) * ROWS + warp / S;
+  if (early && idx == nullptr && k < n_out) prefetch_row_start(w + k * row_bytes, row_bytes, S, slice, lane);
+  pdl_wait();
+  pdl_launch_dependents();
   float acc[T];
 #pragma unroll
   for (int t = 0; t < T; ++t) acc[t] = 0.f;
@@ -247,12 +262,15 @@ template <int T, int S>
 __global__ void __launch_bounds__(32 * DOT_WARPS)
 rowdot_staged_kernel(const uint8_t* __restrict__ w, int64_t row_bytes, QuantX x, int64_t K,
                      const int32_t* __restrict__ idx, const bool* __restrict__ mask, int64_t n_out,
-                     float* __restrict__ y) {
+                     float* __restrict__ y, bool early) {
   constexpr int BYTES = sizeof(BlockQ4_0), ROWS = DOT_WARPS / S, CHUNK = 32 * BYTES, VECS = CHUNK / 16;
   // 16 bytes beyond each warp's chunk: the last lane's fifth word, which the odd lanes read and do not use
   __shared__ __align__(16) uint8_t stage[DOT_WARPS][CHUNK + 16];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, slice = warp % S;
   const int64_t k = static_cast<int64_t>(blockIdx.x) * ROWS + warp / S;
+  if (early && idx == nullptr && k < n_out) prefetch_row_start(w + k * row_bytes, row_bytes, S, slice, lane);
+  pdl_wait();
+  pdl_launch_dependents();
   float acc[T];
 #pragma unroll
   for (int t = 0; t < T; ++t) acc[t] = 0.f;
@@ -317,6 +335,8 @@ __device__ __forceinline__ float round_half_away(float v) {  // csrc/cpu_dot.h's
 // (csrc/cpu_dot.h quantize_two_planes; no fused multiply-adds)
 __global__ void quantize_x_kernel(const float* __restrict__ x, int64_t n_blocks, int8_t* __restrict__ q0,
                                   int8_t* __restrict__ q1, float2* __restrict__ dd) {
+  pdl_wait();
+  pdl_launch_dependents();
   const int lane = threadIdx.x % 32;
   const int64_t b = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
   if (b >= n_blocks) return;
@@ -348,6 +368,8 @@ axpy_kernel(const uint8_t* __restrict__ w, int64_t row_bytes, const float* __res
   using U = Unit<QT>;
   constexpr int COLS = 32 * U::W;  // the block's column tile: one unit per lane
   __shared__ float part[AXPY_WARPS][T][COLS];
+  pdl_wait();  // h (which rows to read) comes from the kernels before
+  pdl_launch_dependents();
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int64_t u = static_cast<int64_t>(blockIdx.x) * 32 + lane;  // this lane's unit
   const bool in_range = u * U::W < D;
@@ -401,14 +423,15 @@ void rowdot_launch_t(const uint8_t* w, int64_t row_bytes, X x, int64_t K, const 
   const int S = n_out * 2 >= WANT_WARPS ? 1 : (n_out * 4 >= WANT_WARPS ? 2 : 4);
   const int64_t rows_per_block = DOT_WARPS / S;
   const dim3 grid((n_out + rows_per_block - 1) / rows_per_block), block(32 * DOT_WARPS);
+  const bool early = pdl_enabled();  // launched early: prefetch before waiting
   if constexpr (STAGED) {
-    if (S == 1) rowdot_staged_kernel<T, 1><<<grid, block, 0, stream>>>(w, row_bytes, x, K, idx, mask, n_out, y);
-    else if (S == 2) rowdot_staged_kernel<T, 2><<<grid, block, 0, stream>>>(w, row_bytes, x, K, idx, mask, n_out, y);
-    else rowdot_staged_kernel<T, 4><<<grid, block, 0, stream>>>(w, row_bytes, x, K, idx, mask, n_out, y);
+    if (S == 1) launch(rowdot_staged_kernel<T, 1>, grid, block, 0, stream, w, row_bytes, x, K, idx, mask, n_out, y, early);
+    else if (S == 2) launch(rowdot_staged_kernel<T, 2>, grid, block, 0, stream, w, row_bytes, x, K, idx, mask, n_out, y, early);
+    else launch(rowdot_staged_kernel<T, 4>, grid, block, 0, stream, w, row_bytes, x, K, idx, mask, n_out, y, early);
   } else {
-    if (S == 1) rowdot_kernel<QT, T, 1><<<grid, block, 0, stream>>>(w, row_bytes, x, K, idx, mask, n_out, y);
-    else if (S == 2) rowdot_kernel<QT, T, 2><<<grid, block, 0, stream>>>(w, row_bytes, x, K, idx, mask, n_out, y);
-    else rowdot_kernel<QT, T, 4><<<grid, block, 0, stream>>>(w, row_bytes, x, K, idx, mask, n_out, y);
+    if (S == 1) launch(rowdot_kernel<QT, T, 1, X>, grid, block, 0, stream, w, row_bytes, x, K, idx, mask, n_out, y, early);
+    else if (S == 2) launch(rowdot_kernel<QT, T, 2, X>, grid, block, 0, stream, w, row_bytes, x, K, idx, mask, n_out, y, early);
+    else launch(rowdot_kernel<QT, T, 4, X>, grid, block, 0, stream, w, row_bytes, x, K, idx, mask, n_out, y, early);
   }
 }
 
@@ -442,11 +465,11 @@ void axpy_launch(const uint8_t* w, int64_t row_bytes, const float* h, int64_t n_
     const int tt = T - t0 < TM ? T - t0 : TM;
     const float* hh = h + t0 * n_rows;
     float* yy = y + t0 * D;
-    if (tt == 1) axpy_kernel<QT, 1><<<grid, 32 * AXPY_WARPS, 0, stream>>>(w, row_bytes, hh, n_rows, idx, n_rows, D, yy);
-    else if (tt == 2) axpy_kernel<QT, 2><<<grid, 32 * AXPY_WARPS, 0, stream>>>(w, row_bytes, hh, n_rows, idx, n_rows, D, yy);
+    if (tt == 1) launch(axpy_kernel<QT, 1>, grid, dim3(32 * AXPY_WARPS), 0, stream, w, row_bytes, hh, n_rows, idx, n_rows, D, yy);
+    else if (tt == 2) launch(axpy_kernel<QT, 2>, grid, dim3(32 * AXPY_WARPS), 0, stream, w, row_bytes, hh, n_rows, idx, n_rows, D, yy);
     else if constexpr (TM == 4) {
-      if (tt == 3) axpy_kernel<QT, 3><<<grid, 32 * AXPY_WARPS, 0, stream>>>(w, row_bytes, hh, n_rows, idx, n_rows, D, yy);
-      else axpy_kernel<QT, 4><<<grid, 32 * AXPY_WARPS, 0, stream>>>(w, row_bytes, hh, n_rows, idx, n_rows, D, yy);
+      if (tt == 3) launch(axpy_kernel<QT, 3>, grid, dim3(32 * AXPY_WARPS), 0, stream, w, row_bytes, hh, n_rows, idx, n_rows, D, yy);
+      else launch(axpy_kernel<QT, 4>, grid, dim3(32 * AXPY_WARPS), 0, stream, w, row_bytes, hh, n_rows, idx, n_rows, D, yy);
     }
   }
 }
@@ -471,7 +494,7 @@ void launch_rowdot(int64_t qtype, const uint8_t* w, int64_t row_bytes, const flo
   int8_t* q0 = reinterpret_cast<int8_t*>(xq);
   int8_t* q1 = q0 + n;
   float2* dd = reinterpret_cast<float2*>(xq + 2 * n);
-  quantize_x_kernel<<<(n_blocks + 7) / 8, 256, 0, stream>>>(x, n_blocks, q0, q1, dd);
+  launch(quantize_x_kernel, dim3((n_blocks + 7) / 8), dim3(256), 0, stream, x, n_blocks, q0, q1, dd);
   const QuantX qx{q0, q1, dd, K};
   static const bool staged = !env_off("HS_CUDA_STAGED");
   if (staged && reinterpret_cast<uintptr_t>(w) % 16 == 0 && row_bytes % 16 == 0)

@@ -159,6 +159,54 @@ def test_cuda_sparse_ops_capture_in_a_graph():
                                    rtol=1e-4, atol=1e-3)
 
 
+@pytest.mark.parametrize("graph", [False, True])
+def test_programmatic_dependent_launch_chain(graph, monkeypatch):
+    """HS_CUDA_PDL=1 (csrc/cuda_launch.h): a chain of row-dots and an axpy, each reading what the one
+    before wrote, the first a big dense GEMV whose last rows come in its last wave, then Q4_0 rows
+    (x quantized by a kernel of its own, the staged kernel), Q8_0 rows by an index list, an F16 axpy:
+    equal to the chain launched without PDL, op by op and replayed as a CUDA graph. A kernel that read
+    before waiting would see the last wave's rows unwritten."""
+    big = random_rows(Q.F16, 8192, 4096, seed=1).cuda()
+    w4 = random_rows(Q.Q4_0, 512, 8192, seed=2).cuda()
+    w8 = random_rows(Q.Q8_0, 1024, 512, seed=3).cuda()
+    wt = random_rows(Q.F16, 1024, 512, seed=4).cuda()
+    idx = torch.arange(1, 1024, 3, dtype=torch.int32, device="cuda")
+    x = torch.randn(1, 4096, device="cuda")
+
+    def chain():
+        y1 = kernels.sparse_rowdot(big, Q.F16, x, None, check=False)
+        y2 = kernels.sparse_rowdot(w4, Q.Q4_0, y1, None, check=False)
+        y3 = kernels.sparse_rowdot(w8, Q.Q8_0, y2, idx, check=False)
+        return y1, y2, y3, kernels.sparse_axpy(wt, Q.F16, y3, idx, check=False)
+
+    def run(pdl):
+        monkeypatch.setenv("HS_CUDA_PDL", pdl)
+        if not graph:
+            out = chain()
+            torch.cuda.synchronize()
+            return [t.clone() for t in out]
+        s = torch.cuda.Stream()
+        with torch.cuda.stream(s):
+            chain()
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out = chain()
+        results = []
+        for _ in range(3):  # replays: the same answer each time
+            g.replay()
+            torch.cuda.synchronize()
+            results.append([t.clone() for t in out])
+        for r in results[1:]:
+            for a, b in zip(r, results[0]):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * max(1.0, b.abs().max().item()))
+        return results[0]
+
+    ref, got = run("0"), run("1")
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * max(1.0, b.abs().max().item()))
+
+
 def test_cuda_sparse_bad_input():
     w = random_rows(Q.Q8_0, 16, 64).cuda()
     with pytest.raises(ValueError, match="outside the 16 rows"):

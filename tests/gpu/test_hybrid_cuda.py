@@ -73,13 +73,16 @@ def _generator_run(model, ids, feed):
 @pytest.mark.parametrize("name", ["llama-swiglu", "gemma3", "opt", "falcon-40b-relu"])
 @pytest.mark.parametrize("head_fast", [True, False])
 @pytest.mark.parametrize("handover", ["node", "poll"])
-def test_host_node_decode_in_cuda_graphs_equals_dense_on_cuda(name, head_fast, handover, tmp_path, monkeypatch):
+@pytest.mark.parametrize("pdl", ["0", "1"])
+def test_host_node_decode_in_cuda_graphs_equals_dense_on_cuda(name, head_fast, handover, pdl, tmp_path, monkeypatch):
     """Dense mode with a neuron split, every attention on the GPU: each layer's cold part runs as a
     host node of the stream (or through the polled hand-over) and the whole step is replayed as a CUDA
     graph (head inside or outside); the logits match the all-GPU dense model's, and the
-    event-synchronised path's."""
+    event-synchronised path's; also with programmatic dependent launch (HS_CUDA_PDL=1: kernels that
+    start before the one before them ends, beside host nodes, hand-over kernels and copies)."""
     from hybridsparse.runtime import kernels
     monkeypatch.setattr(kernels, "HANDOVER", handover)
+    monkeypatch.setenv("HS_CUDA_PDL", pdl)
     _, dense = build_case(name, tmp_path, dtype="f16")  # a type the compiled CPU FFN reads (F32: the twins)
     path = dense.gguf.path
     dense.place(dense.config.n_layers + 1, torch.device("cuda"))
