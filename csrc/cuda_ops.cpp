@@ -12,8 +12,8 @@
 namespace hs {
 
 void launch_rowdot(int64_t qtype, const uint8_t* w, int64_t row_bytes, const float* x, int64_t K,
-                   const int32_t* idx, const bool* mask, int64_t n_out, float* y, int T, uint8_t* xq,
-                   cudaStream_t stream);
+                   const int32_t* idx, const bool* mask, int64_t n_out, float* y, const float* res, int T,
+                   uint8_t* xq, cudaStream_t stream);
 int64_t rowdot_scratch_bytes(int64_t qtype, int64_t T, int64_t K);
 void launch_axpy(int64_t qtype, const uint8_t* w, int64_t row_bytes, const float* h, int64_t n_rows,
                  const int32_t* idx, int64_t D, float* y, int T, cudaStream_t stream);
@@ -66,11 +66,10 @@ void check_index(const char* op, const c10::optional<at::Tensor>& idx, const at:
            op, " (CUDA): the index set must be a contiguous int32 vector on the weight's GPU");
 }
 
-}  // namespace
-
-// y[T, n] = x[T, K] . W[rows]^T, rows = idx (or all); rows whose mask entry is false give 0.
-at::Tensor sparse_rowdot_cuda(const at::Tensor& w, int64_t qtype, const at::Tensor& x,
-                              const c10::optional<at::Tensor>& idx, const c10::optional<at::Tensor>& mask) {
+// y[T, n] = x[T, K] . W[rows]^T (+ res[T, n] where given), rows = idx (or all); rows whose mask entry
+// is false give 0 (or res).
+at::Tensor rowdot_cuda(const at::Tensor& w, int64_t qtype, const at::Tensor& x, const c10::optional<at::Tensor>& idx,
+                       const c10::optional<at::Tensor>& mask, const at::Tensor* res) {
   const int64_t K = check_weight("sparse_rowdot", w, qtype);
   check_index("sparse_rowdot", idx, w);
   HS_CHECK(x.is_cuda() && x.device() == w.device() && x.dim() == 2 && x.scalar_type() == at::kFloat &&
@@ -84,6 +83,10 @@ at::Tensor sparse_rowdot_cuda(const at::Tensor& w, int64_t qtype, const at::Tens
              "sparse_rowdot (CUDA): mask must be a contiguous bool vector of ", w.size(0), " entries");
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t n_out = idx ? idx->size(0) : w.size(0), T = x.size(0);
+  if (res)
+    HS_CHECK(res->is_cuda() && res->device() == x.device() && res->scalar_type() == at::kFloat && res->dim() == 2 &&
+             res->size(0) == T && res->size(1) == n_out && res->is_contiguous(),
+             "matmul_add (CUDA): res must be a contiguous float32 [", T, ", ", n_out, "] tensor on the weight's GPU");
   auto y = at::empty({T, n_out}, x.options());
   if (T == 0 || n_out == 0) return y;
   // x quantized for the dots (Q4_0): scratch from torch's allocator (a graph's pool while capturing);
@@ -93,10 +96,23 @@ at::Tensor sparse_rowdot_cuda(const at::Tensor& w, int64_t qtype, const at::Tens
   if (scratch) xq = at::empty({scratch}, x.options().dtype(at::kByte));
   launch_rowdot(qtype, static_cast<const uint8_t*>(w.data_ptr()), w.size(1) * w.element_size(), x.data_ptr<float>(),
                 K, idx ? idx->data_ptr<int32_t>() : nullptr, mask ? mask->data_ptr<bool>() : nullptr, n_out,
-                y.data_ptr<float>(), static_cast<int>(T), scratch ? xq.data_ptr<uint8_t>() : nullptr,
-                c10::cuda::getCurrentCUDAStream());
+                y.data_ptr<float>(), res ? res->data_ptr<float>() : nullptr, static_cast<int>(T),
+                scratch ? xq.data_ptr<uint8_t>() : nullptr, c10::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return y;
+}
+
+}  // namespace
+
+at::Tensor sparse_rowdot_cuda(const at::Tensor& w, int64_t qtype, const at::Tensor& x,
+                              const c10::optional<at::Tensor>& idx, const c10::optional<at::Tensor>& mask) {
+  return rowdot_cuda(w, qtype, x, idx, mask, nullptr);
+}
+
+// res + x . W^T over every row: the decode GEMV that adds the residual as it writes (one kernel, not
+// a GEMV and an add)
+at::Tensor matmul_add_cuda(const at::Tensor& w, int64_t qtype, const at::Tensor& x, const at::Tensor& res) {
+  return rowdot_cuda(w, qtype, x, c10::nullopt, c10::nullopt, &res);
 }
 
 // y[T, D] = h[T, n] . W_t[rows], rows = idx (or all); rows whose h is zero for every token are skipped.
@@ -221,6 +237,7 @@ bool has_cuda() { return true; }
 TORCH_LIBRARY_IMPL(hybridsparse, CUDA, m) {
   m.impl("qmatmul", &hs::qmatmul_cuda);
   m.impl("sparse_rowdot", &hs::sparse_rowdot_cuda);
+  m.impl("matmul_add", &hs::matmul_add_cuda);
   m.impl("sparse_axpy", &hs::sparse_axpy_cuda);
   m.impl("rope_", &hs::rope_cuda);
   m.impl("attention", &hs::attention_cuda);

@@ -193,9 +193,11 @@ __device__ __forceinline__ void prefetch_row_start(const uint8_t* row, int64_t r
 }
 
 // The end of a row-dot block: each warp's lane sums meet (warp_sum), the S slices of a row in shared
-// memory, and y[t, k] is written (rows past n_out only join the block's barrier).
+// memory, and y[t, k] is written, plus res[t, k] where res is given (the residual added as the GEMV
+// writes: one kernel instead of two; rows past n_out only join the block's barrier).
 template <int T, int S>
-__device__ __forceinline__ void rowdot_store(float* acc, int64_t k, int64_t n_out, float* __restrict__ y) {
+__device__ __forceinline__ void rowdot_store(float* acc, int64_t k, int64_t n_out, float* __restrict__ y,
+                                             const float* __restrict__ res) {
   __shared__ float part[DOT_WARPS][T];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, slice = warp % S;
 #pragma unroll
@@ -203,7 +205,7 @@ __device__ __forceinline__ void rowdot_store(float* acc, int64_t k, int64_t n_ou
   if constexpr (S == 1) {
     if (lane == 0 && k < n_out)
 #pragma unroll
-      for (int t = 0; t < T; ++t) y[t * n_out + k] = acc[t];
+      for (int t = 0; t < T; ++t) y[t * n_out + k] = res ? res[t * n_out + k] + acc[t] : acc[t];
   } else {
     if (lane == 0)
 #pragma unroll
@@ -213,7 +215,7 @@ __device__ __forceinline__ void rowdot_store(float* acc, int64_t k, int64_t n_ou
       float s = 0.f;
 #pragma unroll
       for (int j = 0; j < S; ++j) s += part[warp + j][lane];
-      y[lane * n_out + k] = s;
+      y[lane * n_out + k] = res ? res[lane * n_out + k] + s : s;
     }
   }
 }
@@ -225,7 +227,7 @@ template <int64_t QT, int T, int S, typename X>
 __global__ void __launch_bounds__(32 * DOT_WARPS)
 rowdot_kernel(const uint8_t* __restrict__ w, int64_t row_bytes, X x, int64_t K,
               const int32_t* __restrict__ idx, const bool* __restrict__ mask, int64_t n_out,
-              float* __restrict__ y, bool early) {
+              float* __restrict__ y, const float* __restrict__ res, bool early) {
   using U = Unit<QT>;
   constexpr int ROWS = DOT_WARPS / S;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, slice = warp % S;
@@ -245,7 +247,7 @@ rowdot_kernel(const uint8_t* __restrict__ w, int64_t row_bytes, X x, int64_t K,
 #pragma unroll 4
     for (int64_t u = slice * per_slice + lane; u < u_end; u += 32) x.template add<QT, T>(wr, u, acc);
   }
-  rowdot_store<T, S>(acc, k, n_out, y);
+  rowdot_store<T, S>(acc, k, n_out, y, res);
 }
 
 // Q4_0 rows a whole block per lane: a warp copies 32 consecutive blocks of its row (576 bytes, which
@@ -262,7 +264,7 @@ template <int T, int S>
 __global__ void __launch_bounds__(32 * DOT_WARPS)
 rowdot_staged_kernel(const uint8_t* __restrict__ w, int64_t row_bytes, QuantX x, int64_t K,
                      const int32_t* __restrict__ idx, const bool* __restrict__ mask, int64_t n_out,
-                     float* __restrict__ y, bool early) {
+                     float* __restrict__ y, const float* __restrict__ res, bool early) {
   constexpr int BYTES = sizeof(BlockQ4_0), ROWS = DOT_WARPS / S, CHUNK = 32 * BYTES, VECS = CHUNK / 16;
   // 16 bytes beyond each warp's chunk: the last lane's fifth word, which the odd lanes read and do not use
   __shared__ __align__(16) uint8_t stage[DOT_WARPS][CHUNK + 16];
@@ -323,7 +325,7 @@ rowdot_staged_kernel(const uint8_t* __restrict__ w, int64_t row_bytes, QuantX x,
       }
     }
   }
-  rowdot_store<T, S>(acc, k, n_out, y);
+  rowdot_store<T, S>(acc, k, n_out, y, res);
 }
 
 __device__ __forceinline__ float round_half_away(float v) {  // csrc/cpu_dot.h's, step for step
@@ -418,35 +420,35 @@ axpy_kernel(const uint8_t* __restrict__ w, int64_t row_bytes, const float* __res
 // rowdot_kernel, or with STAGED rowdot_staged_kernel (Q4_0 rows, X = QuantX)
 template <int64_t QT, int T, bool STAGED, typename X>
 void rowdot_launch_t(const uint8_t* w, int64_t row_bytes, X x, int64_t K, const int32_t* idx,
-                     const bool* mask, int64_t n_out, float* y, cudaStream_t stream) {
+                     const bool* mask, int64_t n_out, float* y, const float* res, cudaStream_t stream) {
   constexpr int64_t WANT_WARPS = 132 * 32;  // enough warps in flight on an H100/H200
   const int S = n_out * 2 >= WANT_WARPS ? 1 : (n_out * 4 >= WANT_WARPS ? 2 : 4);
   const int64_t rows_per_block = DOT_WARPS / S;
   const dim3 grid((n_out + rows_per_block - 1) / rows_per_block), block(32 * DOT_WARPS);
   const bool early = pdl_enabled();  // launched early: prefetch before waiting
   if constexpr (STAGED) {
-    if (S == 1) launch(rowdot_staged_kernel<T, 1>, grid, block, 0, stream, w, row_bytes, x, K, idx, mask, n_out, y, early);
-    else if (S == 2) launch(rowdot_staged_kernel<T, 2>, grid, block, 0, stream, w, row_bytes, x, K, idx, mask, n_out, y, early);
-    else launch(rowdot_staged_kernel<T, 4>, grid, block, 0, stream, w, row_bytes, x, K, idx, mask, n_out, y, early);
+    if (S == 1) launch(rowdot_staged_kernel<T, 1>, grid, block, 0, stream, w, row_bytes, x, K, idx, mask, n_out, y, res, early);
+    else if (S == 2) launch(rowdot_staged_kernel<T, 2>, grid, block, 0, stream, w, row_bytes, x, K, idx, mask, n_out, y, res, early);
+    else launch(rowdot_staged_kernel<T, 4>, grid, block, 0, stream, w, row_bytes, x, K, idx, mask, n_out, y, res, early);
   } else {
-    if (S == 1) launch(rowdot_kernel<QT, T, 1, X>, grid, block, 0, stream, w, row_bytes, x, K, idx, mask, n_out, y, early);
-    else if (S == 2) launch(rowdot_kernel<QT, T, 2, X>, grid, block, 0, stream, w, row_bytes, x, K, idx, mask, n_out, y, early);
-    else launch(rowdot_kernel<QT, T, 4, X>, grid, block, 0, stream, w, row_bytes, x, K, idx, mask, n_out, y, early);
+    if (S == 1) launch(rowdot_kernel<QT, T, 1, X>, grid, block, 0, stream, w, row_bytes, x, K, idx, mask, n_out, y, res, early);
+    else if (S == 2) launch(rowdot_kernel<QT, T, 2, X>, grid, block, 0, stream, w, row_bytes, x, K, idx, mask, n_out, y, res, early);
+    else launch(rowdot_kernel<QT, T, 4, X>, grid, block, 0, stream, w, row_bytes, x, K, idx, mask, n_out, y, res, early);
   }
 }
 
 template <int64_t QT, bool STAGED = false, typename X>
 void rowdot_launch(const uint8_t* w, int64_t row_bytes, X x, int64_t K, const int32_t* idx,
-                   const bool* mask, int64_t n_out, float* y, int T, cudaStream_t stream) {
+                   const bool* mask, int64_t n_out, float* y, const float* res, int T, cudaStream_t stream) {
   switch (T) {
-    case 1: rowdot_launch_t<QT, 1, STAGED>(w, row_bytes, x, K, idx, mask, n_out, y, stream); break;
-    case 2: rowdot_launch_t<QT, 2, STAGED>(w, row_bytes, x, K, idx, mask, n_out, y, stream); break;
-    case 3: rowdot_launch_t<QT, 3, STAGED>(w, row_bytes, x, K, idx, mask, n_out, y, stream); break;
-    case 4: rowdot_launch_t<QT, 4, STAGED>(w, row_bytes, x, K, idx, mask, n_out, y, stream); break;
-    case 5: rowdot_launch_t<QT, 5, STAGED>(w, row_bytes, x, K, idx, mask, n_out, y, stream); break;
-    case 6: rowdot_launch_t<QT, 6, STAGED>(w, row_bytes, x, K, idx, mask, n_out, y, stream); break;
-    case 7: rowdot_launch_t<QT, 7, STAGED>(w, row_bytes, x, K, idx, mask, n_out, y, stream); break;
-    default: rowdot_launch_t<QT, 8, STAGED>(w, row_bytes, x, K, idx, mask, n_out, y, stream); break;
+    case 1: rowdot_launch_t<QT, 1, STAGED>(w, row_bytes, x, K, idx, mask, n_out, y, res, stream); break;
+    case 2: rowdot_launch_t<QT, 2, STAGED>(w, row_bytes, x, K, idx, mask, n_out, y, res, stream); break;
+    case 3: rowdot_launch_t<QT, 3, STAGED>(w, row_bytes, x, K, idx, mask, n_out, y, res, stream); break;
+    case 4: rowdot_launch_t<QT, 4, STAGED>(w, row_bytes, x, K, idx, mask, n_out, y, res, stream); break;
+    case 5: rowdot_launch_t<QT, 5, STAGED>(w, row_bytes, x, K, idx, mask, n_out, y, res, stream); break;
+    case 6: rowdot_launch_t<QT, 6, STAGED>(w, row_bytes, x, K, idx, mask, n_out, y, res, stream); break;
+    case 7: rowdot_launch_t<QT, 7, STAGED>(w, row_bytes, x, K, idx, mask, n_out, y, res, stream); break;
+    default: rowdot_launch_t<QT, 8, STAGED>(w, row_bytes, x, K, idx, mask, n_out, y, res, stream); break;
   }
 }
 
@@ -479,16 +481,16 @@ void axpy_launch(const uint8_t* w, int64_t row_bytes, const float* h, int64_t n_
 // Launchers only: argument checks live in cuda_ops.cpp (host C++), because a c10::Error thrown from
 // nvcc-compiled code crashed the process on the GPU machine instead of raising.
 // xq: scratch of rowdot_scratch_bytes for Q4_0 weights (x quantized there first); without it
-// (HS_CUDA_QUANT_X=0) they read float32 x
+// (HS_CUDA_QUANT_X=0) they read float32 x. res: null, or [T, n_out] added to y as it is written.
 void launch_rowdot(int64_t qtype, const uint8_t* w, int64_t row_bytes, const float* x, int64_t K,
-                   const int32_t* idx, const bool* mask, int64_t n_out, float* y, int T, uint8_t* xq,
-                   cudaStream_t stream) {
+                   const int32_t* idx, const bool* mask, int64_t n_out, float* y, const float* res, int T,
+                   uint8_t* xq, cudaStream_t stream) {
   const FloatX fx{x, K};
   switch (xq ? -1 : qtype) {
-    case F16: return rowdot_launch<F16>(w, row_bytes, fx, K, idx, mask, n_out, y, T, stream);
-    case BF16: return rowdot_launch<BF16>(w, row_bytes, fx, K, idx, mask, n_out, y, T, stream);
-    case Q8_0: return rowdot_launch<Q8_0>(w, row_bytes, fx, K, idx, mask, n_out, y, T, stream);
-    case Q4_0: return rowdot_launch<Q4_0>(w, row_bytes, fx, K, idx, mask, n_out, y, T, stream);
+    case F16: return rowdot_launch<F16>(w, row_bytes, fx, K, idx, mask, n_out, y, res, T, stream);
+    case BF16: return rowdot_launch<BF16>(w, row_bytes, fx, K, idx, mask, n_out, y, res, T, stream);
+    case Q8_0: return rowdot_launch<Q8_0>(w, row_bytes, fx, K, idx, mask, n_out, y, res, T, stream);
+    case Q4_0: return rowdot_launch<Q4_0>(w, row_bytes, fx, K, idx, mask, n_out, y, res, T, stream);
   }
   const int64_t n = T * K, n_blocks = n / QK;
   int8_t* q0 = reinterpret_cast<int8_t*>(xq);
@@ -498,8 +500,8 @@ void launch_rowdot(int64_t qtype, const uint8_t* w, int64_t row_bytes, const flo
   const QuantX qx{q0, q1, dd, K};
   static const bool staged = !env_off("HS_CUDA_STAGED");
   if (staged && reinterpret_cast<uintptr_t>(w) % 16 == 0 && row_bytes % 16 == 0)
-    return rowdot_launch<Q4_0, true>(w, row_bytes, qx, K, idx, mask, n_out, y, T, stream);
-  rowdot_launch<Q4_0>(w, row_bytes, qx, K, idx, mask, n_out, y, T, stream);
+    return rowdot_launch<Q4_0, true>(w, row_bytes, qx, K, idx, mask, n_out, y, res, T, stream);
+  rowdot_launch<Q4_0>(w, row_bytes, qx, K, idx, mask, n_out, y, res, T, stream);
 }
 
 // bytes of scratch launch_rowdot needs to quantize x: both planes and a float2 per 32-element block

@@ -65,6 +65,7 @@ TORCH_LIBRARY(hybridsparse, m) {
         "int kv_len, int window, float scale) -> Tensor");
   m.def("gated_act(Tensor gate, Tensor up, int act, bool act_on_up) -> Tensor");
   m.def("sparse_rowdot(Tensor w, int qtype, Tensor x, Tensor? idx, Tensor? mask) -> Tensor");
+  m.def("matmul_add(Tensor w, int qtype, Tensor x, Tensor res) -> Tensor");  // CUDA only (CPU: matmul, then +)
   m.def("sparse_axpy(Tensor w, int qtype, Tensor h, Tensor? idx) -> Tensor");
   m.def("has_cuda() -> bool", &hs::has_cuda);
 }

@@ -197,6 +197,10 @@ def _register_fakes() -> None:
     def _(gate, up, act, act_on_up):
         return torch.empty_like(gate)
 
+    @torch.library.register_fake("hybridsparse::matmul_add")
+    def _(w, qtype, x, res):
+        return torch.empty_like(res)
+
     @torch.library.register_fake("hybridsparse::sparse_rowdot")
     def _(w, qtype, x, idx, mask):
         return x.new_empty((x.shape[0], w.shape[0] if idx is None else idx.shape[0]))
@@ -297,11 +301,31 @@ def matmul_reference(x: torch.Tensor, data: torch.Tensor, qtype: Q) -> torch.Ten
     return torch.cat([F.linear(x, dequantize(data[i:i + n], qtype)) for i in range(0, rows, n)], dim=-1)
 
 
+def _our_cuda_gemv(x: torch.Tensor, data: torch.Tensor, qtype: Q) -> bool:
+    """Whether `matmul` takes our CUDA row-dot over every row (decode-sized x)."""
+    return data.is_cuda and x.shape[0] <= CUDA_MAX_GEMV_TOKENS and (qtype in CUDA_QTYPES or CUDA_GEMV == "ours") \
+        and _cuda_sparse_ok(data, qtype, x.shape[0])
+
+
+def matmul_add(x: torch.Tensor, data: torch.Tensor, qtype: Q, res: torch.Tensor) -> torch.Tensor:
+    """res + x . W^T (a residual connection after a projection): on CUDA with decode-sized x, our GEMV
+    adds res as it writes its rows, one kernel where a GEMV and an add were two (and the add broke
+    the chain of kernels that HS_CUDA_PDL lets overlap); otherwise `matmul`, then the add."""
+    if _our_cuda_gemv(x, data, qtype) and res.dtype == torch.float32 and res.device == data.device \
+            and tuple(res.shape) == (x.shape[0], data.shape[0]) and hasattr(ops(), "matmul_add"):
+        return ops().matmul_add(data, int(qtype), x.contiguous(), res.contiguous())
+    return res + matmul(x, data, qtype)
+
+
+def matmul_add_reference(x: torch.Tensor, data: torch.Tensor, qtype: Q, res: torch.Tensor) -> torch.Tensor:
+    """Twin of the CUDA `matmul_add` op."""
+    return res + matmul_reference(x, data, qtype)
+
+
 def matmul(x: torch.Tensor, data: torch.Tensor, qtype: Q) -> torch.Tensor:
     """x [T, in] float32 times the weight [rows, in] (stored format) transposed -> [T, rows] float32."""
     if data.is_cuda:
-        if x.shape[0] <= CUDA_MAX_GEMV_TOKENS and (qtype in CUDA_QTYPES or CUDA_GEMV == "ours") \
-                and _cuda_sparse_ok(data, qtype, x.shape[0]):
+        if _our_cuda_gemv(x, data, qtype):
             # decode: our GEMV reads the stored rows and takes/gives float32 (no cast kernels)
             return ops().sparse_rowdot(data, int(qtype), x.contiguous(), None, None)
         if qtype in FLOAT_TYPES:

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from . import kernels
-from .weights import QWeight, linear, linear_many, linear_t
+from .weights import QWeight, linear, linear_add, linear_many, linear_t
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -83,9 +83,24 @@ def gated_act(gate: torch.Tensor, up: torch.Tensor, spec: FFNSpec) -> torch.Tens
 FFN_PROBE = None
 
 
-def ffn(x: torch.Tensor, w: FFNWeights, spec: FFNSpec) -> torch.Tensor:
+def ffn(x: torch.Tensor, w: FFNWeights, spec: FFNSpec, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """The FFN of x, plus `residual` where given: added by the down projection's GEMV where it can
+    (kernels.matmul_add: one kernel, not two, in a CUDA decode step), else afterwards."""
+    if residual is not None:
+        if isinstance(w, FFNWeights) and not w.down_transposed and w.down_bias is None:
+            return linear_add(_ffn_hidden(x, w, spec), w.down, residual)
+        return residual + ffn(x, w, spec)
     if not isinstance(w, FFNWeights):  # the hybrid runtime's split FFN (runtime/hybrid.py)
         return w(x)
+    h = _ffn_hidden(x, w, spec)
+    if w.down_transposed:
+        y = linear_t(h, w.down)
+        return y + w.down_bias if w.down_bias is not None else y
+    return linear(h, w.down, w.down_bias)
+
+
+def _ffn_hidden(x: torch.Tensor, w: FFNWeights, spec: FFNSpec) -> torch.Tensor:
+    """act(gate . x) * (up . x), or act(up . x): what the down projection reads."""
     probe = FFN_PROBE
     if spec.gated:
         gate, up = linear_many(x, [w.gate, w.up])
@@ -101,10 +116,7 @@ def ffn(x: torch.Tensor, w: FFNWeights, spec: FFNSpec) -> torch.Tensor:
         h = score = ACTIVATIONS[spec.activation](linear(x, w.up, w.up_bias))
     if probe is not None:
         probe(w, x, score, h)
-    if w.down_transposed:
-        y = linear_t(h, w.down)
-        return y + w.down_bias if w.down_bias is not None else y
-    return linear(h, w.down, w.down_bias)
+    return h
 
 
 # Falcon's parallel attention: a hybrid layer's CPU part overlaps the GPU's attention (ffn_start);

@@ -73,6 +73,11 @@ def linear(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None = None) -> tor
     return y + bias if bias is not None else y
 
 
+def linear_add(x: torch.Tensor, w: QWeight, res: torch.Tensor) -> torch.Tensor:
+    """res + x . W^T: a projection into the residual stream (one kernel on CUDA, see kernels.matmul_add)."""
+    return kernels.matmul_add(x, w.data, w.qtype, res)
+
+
 def linear_t(h: torch.Tensor, w_t: QWeight) -> torch.Tensor:
     """h [T, rows] @ w_t [rows, in_features] -> [T, in_features]: the down projection over rows that
     are neurons (`ffn_down_t`)."""

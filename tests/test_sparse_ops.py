@@ -594,3 +594,15 @@ def test_compiled_errors_carry_numbers_and_types():
         kernels.cpu.qmatmul(torch.zeros(4, 18), int(Q.Q4_0), torch.zeros(1, 32))
     with pytest.raises(RuntimeError, match="row length 33 is not a multiple of the block size 32"):
         kernels.cpu.qmatmul(torch.zeros(4, 18, dtype=torch.uint8), int(Q.Q4_0), torch.zeros(1, 33))
+
+
+@pytest.mark.parametrize("qtype", [Q.F16, Q.Q8_0, Q.Q4_0])
+def test_matmul_add_on_the_cpu_is_matmul_then_add(qtype):
+    """kernels.matmul_add (the residual added by the GEMV on CUDA) is matmul, then the add, on the CPU,
+    and agrees with its twin."""
+    w = random_rows(qtype, 37, 64, seed=5)
+    x, res = torch.randn(2, 64), torch.randn(2, 37)
+    got = kernels.matmul_add(x, w, qtype, res)
+    torch.testing.assert_close(got, res + kernels.matmul(x, w, qtype), rtol=0, atol=0)
+    tol = 1e-4 if qtype == Q.F16 else 5e-3
+    torch.testing.assert_close(got, kernels.matmul_add_reference(x, w, qtype, res), rtol=tol, atol=tol)

@@ -11,7 +11,7 @@ import torch
 
 from ..gguf_file import GGUFFile
 from ..layers import FFN_VARIANTS, FFNWeights, KVCache, Rotary, Step, attend, default_scale, ffn_start, layer_norm, rope_qk
-from ..weights import QWeight, linear, linear_many
+from ..weights import QWeight, linear_add, linear_many
 from . import register
 from .base import CausalLM, LMConfig, NormWeights, load_ffn
 
@@ -75,8 +75,7 @@ class Falcon(CausalLM):
         q, k, v = linear_many(h, [L.q, L.k, L.v])  # rows of one attn_qkv buffer: one matmul
         q, k = rope_qk(rope, q.reshape(-1, c.n_heads, c.head_dim), k.reshape(-1, c.n_kv_heads, c.head_dim), step)
         v = v.reshape(-1, c.n_kv_heads, c.head_dim)
-        a = linear(attend(q, k, v, cache, step, None, default_scale(c.head_dim)), L.o)
-        return x + a + f()
+        return linear_add(attend(q, k, v, cache, step, None, default_scale(c.head_dim)), L.o, x) + f()
 
     def final_norm(self, x: torch.Tensor) -> torch.Tensor:
         return layer_norm(x, self.head.weight, self.head.bias, self.config.norm_eps)

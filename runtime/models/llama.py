@@ -14,7 +14,7 @@ import torch
 
 from ..gguf_file import GGUFFile
 from ..layers import FFN_VARIANTS, FFNWeights, KVCache, Rotary, Step, attend, default_scale, ffn, rms_norm, rope_qk
-from ..weights import QWeight, linear, linear_many
+from ..weights import QWeight, linear_add, linear_many
 from . import register
 from .base import CausalLM, LMConfig, NormWeights, load_ffn
 
@@ -89,8 +89,9 @@ class Llama(CausalLM):
         k = k.reshape(-1, c.n_kv_heads, c.head_dim)
         v = v.reshape(-1, c.n_kv_heads, c.head_dim)
         q, k = rope_qk(rope, q, k, step)
-        x = x + linear(attend(q, k, v, cache, step, None, default_scale(c.head_dim)), L.o)
-        return x + ffn(rms_norm(x, L.ffn_norm, c.norm_eps), L.ffn, FFN_VARIANTS[c.ffn_variant])
+        # the residual adds ride on the projections' GEMVs (linear_add, ffn's residual)
+        x = linear_add(attend(q, k, v, cache, step, None, default_scale(c.head_dim)), L.o, x)
+        return ffn(rms_norm(x, L.ffn_norm, c.norm_eps), L.ffn, FFN_VARIANTS[c.ffn_variant], residual=x)
 
     def load_head(self) -> NormWeights:
         return NormWeights(self.weights.vector("output_norm.weight", self.config.d_model))

@@ -159,6 +159,24 @@ def test_cuda_sparse_ops_capture_in_a_graph():
                                    rtol=1e-4, atol=1e-3)
 
 
+@pytest.mark.parametrize("qtype", [Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0])
+@pytest.mark.parametrize("tokens", [1, 3, 8])
+@pytest.mark.parametrize("rows", [301, 5000])  # few rows: slices of a row over 2-4 warps
+def test_cuda_matmul_add_is_the_gemv_plus_the_residual(qtype, tokens, rows):
+    """matmul_add: the decode GEMV adding the residual as it writes equals the GEMV, then the add (the
+    same sums: bit for bit but for rounding of the one add), and the twin; kernels.matmul_add takes it."""
+    w = random_rows(qtype, rows, 512, seed=rows).cuda()
+    x = torch.randn(tokens, 512, device="cuda")
+    res = torch.randn(tokens, rows, device="cuda") * 10
+    got = kernels.ops().matmul_add(w, int(qtype), x, res)
+    want = res + kernels.matmul(x, w, qtype)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6 * want.abs().max().item())
+    torch.testing.assert_close(kernels.matmul_add(x, w, qtype, res), got, rtol=0, atol=0)
+    twin = kernels.matmul_add_reference(x.cpu(), w.cpu(), qtype, res.cpu())
+    tol = 2e-3 if qtype == Q.Q4_0 else 1e-4  # Q4_0 rows read x in two 8-bit planes
+    torch.testing.assert_close(got.cpu(), twin, rtol=0, atol=tol * max(1.0, (twin - res.cpu()).abs().max().item()))
+
+
 @pytest.mark.parametrize("graph", [False, True])
 def test_programmatic_dependent_launch_chain(graph, monkeypatch):
     """HS_CUDA_PDL=1 (csrc/cuda_launch.h): a chain of row-dots and an axpy, each reading what the one
