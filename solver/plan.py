@@ -29,23 +29,25 @@ SOLVER_VERSION = "hs-ilp-6"  # 2: the cost of a decode step without a CUDA graph
 # 5: predictors timed with their attention block, activations for PREFILL_TOKENS; 6: the margin capped at 256 MiB
 GiB = 1 << 30
 # VRAM that is not weights: the CUDA context and cuBLAS workspace (the driver counts them), the
-# activations, CUDA-graph buffers and allocator slack; plus a relative margin. The context as the
+# activations, CUDA-graph buffers and allocator slack; plus a margin. The context as the
 # driver counts it at its peak, with the kernels loaded lazily on first use: on the H200 machine
 # (torch 2.11, CUDA 13) 610 MiB once made and 684-753 MiB outside torch's allocator at the peak of a
 # 70B run. At 512 MiB the S2 plan (11 GiB) peaked at 11.09 GiB: the margin had gone to the context.
 CUDA_CONTEXT_BYTES = 768 << 20
 CUBLAS_WORKSPACE_BYTES = 32 << 20
 # The margin: 3% of the budget, at most 256 MiB. What it covers (the driver's growth as kernels load,
-# allocator rounding) does not grow with the budget, and the rest is counted closely: every hybrid run
-# in bench-results/ peaked at the budget less the margin to within 2-44 MiB (S1 at 24 GiB on the H200
-# and an H100 23.24 GiB, S2 at 11 GiB 10.67), so at 24 GiB 3% (737 MiB) left ~700 MiB unused that
-# 15,000 more of Falcon-40B's hot neurons fill.
+# allocator rounding) does not grow with the budget, and the rest is counted closely: the S1 and S2
+# hybrid runs of solver versions 4-5 peaked at the budget less the margin to within 2-44 MiB (S1 at
+# 24 GiB, on the H200 and on an H100, 23.24 GiB; S2 at 11 GiB 10.67), so at 24 GiB 3% (737 MiB) left
+# ~700 MiB unused that 15,000 more of Falcon-40B's hot neurons fill.
 MARGIN = 0.03
 MARGIN_CAP_BYTES = 256 << 20
 
 
 def margin_bytes(vram_budget: int) -> int:
     return min(int(MARGIN * vram_budget), MARGIN_CAP_BYTES)
+
+
 # Two staging slots for cold rows streamed to the GPU during a prefill (runtime.hybrid._Streamer).
 STREAM_BYTES = 64 << 20
 # Tokens of one prefill micro-batch on the GPU (hs-run -ub): the activations of this many are what the
