@@ -16,8 +16,8 @@
 #   chain: S1's Falcon-40B at 24 GiB, a decode step's host time per part (graphs vs the event path)
 #   s1ab: S1's step with host nodes / the polled hand-over / the FFN joined first, alternating, one process
 #   s2ab: S2's step with two- / one-plane activations and the polled hand-over, alternating
-#   pdl: programmatic dependent launch (HS_CUDA_PDL=1): the GPU tests with it on, then a 7B-shaped F16
-#   model all on the GPU and the CUDA kernels, with it off and on alternately
+#   pdltests: the layer / sparse-op / model GPU tests with programmatic dependent launch on (HS_CUDA_PDL=1)
+#   pdl: a 7B-shaped F16 model all on the GPU and the CUDA kernels, with it off and on alternately
 set -uo pipefail
 OUT=${OUT:-gpu-results}
 mkdir -p "$OUT"
@@ -139,9 +139,11 @@ M70=/dev/shm/relu-llama-2-70b-q4_0-powerinfer.gguf
 HS_PROFILE_MODES=${HS_AB_MODES:-graphs,one-plane,graphs,one-plane,poll,graphs} timeout 300 \
   python3 tests/gpu/profile_hybrid.py $M70 11 predictor 12 2>&1 | grep --line-buffered "per token" | tee "$OUT/profile_s2_ab.txt"
 fi
-if [[ $STAGES == *,pdl,* ]]; then
+if [[ $STAGES == *,pdltests,* ]]; then
 HS_CUDA_PDL=1 timeout ${HS_TEST_TIMEOUT:-300} python3 -m pytest -q --tb=short -rf tests/gpu/test_cuda.py \
   tests/gpu/test_cuda_sparse.py tests/gpu/test_cuda_layers.py ${HS_TEST_K:+-k "$HS_TEST_K"} 2>&1 | tee "$OUT/pytest-pdl.txt" | tail -15
+fi
+if [[ $STAGES == *,pdl,* ]]; then
 M7=/dev/shm/relu-llama-2-7b-f16.gguf
 [ -f $M7 ] || hs-bench synth --shape llama-7b --dtype f16 -o /dev/shm 2>&1 | tail -1
 for pdl in 0 1 0 1; do
