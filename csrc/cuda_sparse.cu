@@ -30,6 +30,7 @@ namespace {
 constexpr int DOT_WARPS = 8;     // warps per block of the row-dot
 constexpr int AXPY_WARPS = 8;
 constexpr int AXPY_ROWS = 64;    // rows per block of the axpy
+constexpr int STAGED_CHUNKS = 2; // 32-block chunks of a Q4_0 row a warp of the staged row-dot loads at once
 
 // One unit of a row: W weights that one lane reads in one step, as raw values q[i] times one scale
 // (int8 and 4-bit values become floats with the 2^23 trick: a byte permute and one add, no
@@ -266,8 +267,9 @@ rowdot_staged_kernel(const uint8_t* __restrict__ w, int64_t row_bytes, QuantX x,
                      const int32_t* __restrict__ idx, const bool* __restrict__ mask, int64_t n_out,
                      float* __restrict__ y, const float* __restrict__ res, bool early) {
   constexpr int BYTES = sizeof(BlockQ4_0), ROWS = DOT_WARPS / S, CHUNK = 32 * BYTES, VECS = CHUNK / 16;
+  constexpr int NV = (VECS + 31) / 32;  // 16-byte loads a lane makes per chunk
   // 16 bytes beyond each warp's chunk: the last lane's fifth word, which the odd lanes read and do not use
-  __shared__ __align__(16) uint8_t stage[DOT_WARPS][CHUNK + 16];
+  __shared__ __align__(16) uint8_t stage[DOT_WARPS][STAGED_CHUNKS][CHUNK + 16];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, slice = warp % S;
   const int64_t k = static_cast<int64_t>(blockIdx.x) * ROWS + warp / S;
   if (early && idx == nullptr && k < n_out) prefetch_row_start(w + k * row_bytes, row_bytes, S, slice, lane);
@@ -282,46 +284,57 @@ rowdot_staged_kernel(const uint8_t* __restrict__ w, int64_t row_bytes, QuantX x,
     const int64_t nb = K / QK, chunks = (nb + 31) / 32;
     const int64_t per_slice = (chunks + S - 1) / S;
     const int64_t c_end = min(chunks, (slice + 1) * per_slice);
-    uint8_t* st = stage[warp];
-    const int off = lane * BYTES;  // this lane's block in the chunk; its quants 2 bytes on
-    const uint32_t* words = reinterpret_cast<const uint32_t*>(st + ((off + 2) & ~3));
+    const int off = lane * BYTES;  // this lane's block in a chunk; its quants 2 bytes on
     const int shift = ((off + 2) & 3) * 8;
-    for (int64_t c = slice * per_slice; c < c_end; ++c) {
-      const int64_t b0 = c * 32;
-      const int nblk = static_cast<int>(min(static_cast<int64_t>(32), nb - b0));
-      // the last 16 bytes may pass the row's end (within the same aligned 16 bytes)
-      const int nvec = (nblk * BYTES + 15) / 16;
-      const uint4* src = reinterpret_cast<const uint4*>(wr + b0 * BYTES);
-      uint4 v[(VECS + 31) / 32];
+    for (int64_t c0 = slice * per_slice; c0 < c_end; c0 += STAGED_CHUNKS) {
+      // STAGED_CHUNKS chunks' loads in flight at once (one at a time left a warp a memory round trip
+      // per 576 bytes: the few rows of a 10% active set could not fill HBM)
+      uint4 v[STAGED_CHUNKS][NV];
+      int nblk[STAGED_CHUNKS];
 #pragma unroll
-      for (int j = 0; j < (VECS + 31) / 32; ++j)
-        v[j] = lane + 32 * j < nvec ? __ldg(src + lane + 32 * j) : make_uint4(0, 0, 0, 0);
-      __syncwarp();  // the last chunk's reads are done
+      for (int u = 0; u < STAGED_CHUNKS; ++u) {
+        const int64_t b0 = (c0 + u) * 32;
+        nblk[u] = c0 + u < c_end ? static_cast<int>(min(static_cast<int64_t>(32), nb - b0)) : 0;
+        // the last 16 bytes may pass the row's end (within the same aligned 16 bytes)
+        const int nvec = (nblk[u] * BYTES + 15) / 16;
+        const uint4* src = reinterpret_cast<const uint4*>(wr + b0 * BYTES);
 #pragma unroll
-      for (int j = 0; j < (VECS + 31) / 32; ++j)
-        if (lane + 32 * j < VECS) reinterpret_cast<uint4*>(st)[lane + 32 * j] = v[j];
-      __syncwarp();
-      if (lane >= nblk) continue;
-      const float dw = __half2float(__ushort_as_half(*reinterpret_cast<const unsigned short*>(st + off)));
-      int lo[4], hi[4];  // elements 4i..4i+3 and 16+4i..16+4i+3
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const uint32_t q = __funnelshift_r(words[i], words[i + 1], shift);
-        lo[i] = static_cast<int>(q & 0x0F0F0F0Fu);
-        hi[i] = static_cast<int>((q >> 4) & 0x0F0F0F0Fu);
+        for (int j = 0; j < NV; ++j)
+          v[u][j] = lane + 32 * j < nvec ? __ldg(src + lane + 32 * j) : make_uint4(0, 0, 0, 0);
       }
-      const int64_t b = b0 + lane;
+      __syncwarp();  // the last chunks' reads are done
 #pragma unroll
-      for (int t = 0; t < T; ++t) {
-        const int4* p0 = reinterpret_cast<const int4*>(x.q0 + t * K + b * QK);
-        const int4* p1 = reinterpret_cast<const int4*>(x.q1 + t * K + b * QK);
-        const int4 a = __ldg(p0), a2 = __ldg(p0 + 1), c0 = __ldg(p1), c2 = __ldg(p1 + 1);
-        int s0 = __dp4a(lo[0], a.x, __dp4a(lo[1], a.y, __dp4a(lo[2], a.z, __dp4a(lo[3], a.w, 0))));
-        s0 = __dp4a(hi[0], a2.x, __dp4a(hi[1], a2.y, __dp4a(hi[2], a2.z, __dp4a(hi[3], a2.w, s0))));
-        int s1 = __dp4a(lo[0], c0.x, __dp4a(lo[1], c0.y, __dp4a(lo[2], c0.z, __dp4a(lo[3], c0.w, 0))));
-        s1 = __dp4a(hi[0], c2.x, __dp4a(hi[1], c2.y, __dp4a(hi[2], c2.z, __dp4a(hi[3], c2.w, s1))));
-        const float2 xd = x.dd[t * nb + b];
-        acc[t] += dw * (xd.x * static_cast<float>(s0 * 128 + s1) - 8.f * xd.y);  // the weights' offset of 8
+      for (int u = 0; u < STAGED_CHUNKS; ++u)
+#pragma unroll
+        for (int j = 0; j < NV; ++j)
+          if (lane + 32 * j < VECS) reinterpret_cast<uint4*>(stage[warp][u])[lane + 32 * j] = v[u][j];
+      __syncwarp();
+#pragma unroll
+      for (int u = 0; u < STAGED_CHUNKS; ++u) {
+        if (lane >= nblk[u]) continue;
+        const uint8_t* st = stage[warp][u];
+        const uint32_t* words = reinterpret_cast<const uint32_t*>(st + ((off + 2) & ~3));
+        const float dw = __half2float(__ushort_as_half(*reinterpret_cast<const unsigned short*>(st + off)));
+        int lo[4], hi[4];  // elements 4i..4i+3 and 16+4i..16+4i+3
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const uint32_t q = __funnelshift_r(words[i], words[i + 1], shift);
+          lo[i] = static_cast<int>(q & 0x0F0F0F0Fu);
+          hi[i] = static_cast<int>((q >> 4) & 0x0F0F0F0Fu);
+        }
+        const int64_t b = (c0 + u) * 32 + lane;
+#pragma unroll
+        for (int t = 0; t < T; ++t) {
+          const int4* p0 = reinterpret_cast<const int4*>(x.q0 + t * K + b * QK);
+          const int4* p1 = reinterpret_cast<const int4*>(x.q1 + t * K + b * QK);
+          const int4 a = __ldg(p0), a2 = __ldg(p0 + 1), q0 = __ldg(p1), q2 = __ldg(p1 + 1);
+          int s0 = __dp4a(lo[0], a.x, __dp4a(lo[1], a.y, __dp4a(lo[2], a.z, __dp4a(lo[3], a.w, 0))));
+          s0 = __dp4a(hi[0], a2.x, __dp4a(hi[1], a2.y, __dp4a(hi[2], a2.z, __dp4a(hi[3], a2.w, s0))));
+          int s1 = __dp4a(lo[0], q0.x, __dp4a(lo[1], q0.y, __dp4a(lo[2], q0.z, __dp4a(lo[3], q0.w, 0))));
+          s1 = __dp4a(hi[0], q2.x, __dp4a(hi[1], q2.y, __dp4a(hi[2], q2.z, __dp4a(hi[3], q2.w, s1))));
+          const float2 xd = x.dd[t * nb + b];
+          acc[t] += dw * (xd.x * static_cast<float>(s0 * 128 + s1) - 8.f * xd.y);  // the weights' offset of 8
+        }
       }
     }
   }

@@ -56,14 +56,16 @@ def test_cuda_rowdot(qtype, which, tokens):
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q8_0])
-@pytest.mark.parametrize("rows,cols", [(301, 1280), (2200, 2048), (40, 8192)])
+@pytest.mark.parametrize("rows,cols", [(301, 1280), (2200, 2048), (40, 8192), (7, 3328), (2200, 3328)])
 @pytest.mark.parametrize("tokens", [1, 3, 8])
 @pytest.mark.parametrize("which", ["all", "unsorted", "mask"])
 def test_cuda_rowdot_staged(qtype, rows, cols, tokens, which):
     """Q4_0 rows 16-byte aligned (K a multiple of 256) take the kernel that stages 32 blocks per warp in
-    shared memory: a partial last chunk (1280 = 40 blocks), one slice per row (2200 rows), four (40
-    rows), masks; the same rows from a 2-byte-misaligned start take rowdot_kernel and agree (Q8_0 rows,
-    aligned or not, always take rowdot_kernel)."""
+    shared memory, two chunks of 32 at a time: a partial last chunk (1280 = 40 blocks), one slice per
+    row (2200 rows), four (40 rows), an odd number of chunks (3328 = 104 blocks: 32+32+32+8) over one
+    slice and over four (7 rows: a slice's second chunk past its end), masks; the same rows from a
+    2-byte-misaligned start take rowdot_kernel and agree (Q8_0 rows, aligned or not, always take
+    rowdot_kernel)."""
     w = random_rows(qtype, rows, cols, seed=rows + tokens)
     x = torch.randn(tokens, cols)
     idx = None if which != "unsorted" else _index_sets(rows)["unsorted"]
