@@ -14,7 +14,7 @@ namespace hs {
 void launch_rowdot(int64_t qtype, const uint8_t* w, int64_t row_bytes, const float* x, int64_t K,
                    const int32_t* idx, const bool* mask, int64_t n_out, float* y, const float* res, int T,
                    uint8_t* xq, cudaStream_t stream);
-int64_t rowdot_scratch_bytes(int64_t qtype, int64_t T, int64_t K);
+int64_t rowdot_scratch_bytes(int64_t qtype, int64_t T, int64_t K, const void* w, int64_t row_bytes);
 void launch_axpy(int64_t qtype, const uint8_t* w, int64_t row_bytes, const float* h, int64_t n_rows,
                  const int32_t* idx, int64_t D, float* y, int T, cudaStream_t stream);
 int cuda_max_tokens();
@@ -89,9 +89,9 @@ at::Tensor rowdot_cuda(const at::Tensor& w, int64_t qtype, const at::Tensor& x, 
              "matmul_add (CUDA): res must be a contiguous float32 [", T, ", ", n_out, "] tensor on the weight's GPU");
   auto y = at::empty({T, n_out}, x.options());
   if (T == 0 || n_out == 0) return y;
-  // x quantized for the dots (Q4_0): scratch from torch's allocator (a graph's pool while capturing);
-  // no allocation for the types that read float x
-  const int64_t scratch = rowdot_scratch_bytes(qtype, T, K);
+  // x quantized for the dots (Q4_0; Q8_0 with HS_CUDA_STAGED_Q8=1): scratch from torch's allocator (a
+  // graph's pool while capturing); no allocation for the types that read float x
+  const int64_t scratch = rowdot_scratch_bytes(qtype, T, K, w.data_ptr(), w.size(1) * w.element_size());
   at::Tensor xq;
   if (scratch) xq = at::empty({scratch}, x.options().dtype(at::kByte));
   launch_rowdot(qtype, static_cast<const uint8_t*>(w.data_ptr()), w.size(1) * w.element_size(), x.data_ptr<float>(),

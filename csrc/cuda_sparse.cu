@@ -260,13 +260,17 @@ rowdot_kernel(const uint8_t* __restrict__ w, int64_t row_bytes, X x, int64_t K,
 // otherwise, or with HS_CUDA_STAGED=0. On an H100 (hs-bench kernels, 70B / Falcon-40B rows, side by
 // side in one call) Q4_0 went from 44-46% to 76-77% of HBM bandwidth with every row and from 29-35% to
 // 46-47% at 10%. The same staging for Q8_0 rows against float x lost (73-74% -> 33% with every row: 32
-// weights as floats and eight x loads a lane), so Q8_0 keeps rowdot_kernel.
-template <int T, int S>
+// weights as floats and eight x loads a lane), so Q8_0 keeps rowdot_kernel by default; with
+// HS_CUDA_STAGED_Q8=1 Q8_0 rows take this kernel against QuantX too (34-byte blocks, eight words of
+// quants a lane, 16 __dp4a a token: the Q4_0 form's arithmetic on twice its bytes), opt-in until a
+// GPU has measured it. Since session 17 a warp loads STAGED_CHUNKS chunks at once.
+template <int64_t QT, int T, int S>
 __global__ void __launch_bounds__(32 * DOT_WARPS)
 rowdot_staged_kernel(const uint8_t* __restrict__ w, int64_t row_bytes, QuantX x, int64_t K,
                      const int32_t* __restrict__ idx, const bool* __restrict__ mask, int64_t n_out,
                      float* __restrict__ y, const float* __restrict__ res, bool early) {
-  constexpr int BYTES = sizeof(BlockQ4_0), ROWS = DOT_WARPS / S, CHUNK = 32 * BYTES, VECS = CHUNK / 16;
+  constexpr int BYTES = QT == Q4_0 ? sizeof(BlockQ4_0) : sizeof(BlockQ8_0);
+  constexpr int ROWS = DOT_WARPS / S, CHUNK = 32 * BYTES, VECS = CHUNK / 16;
   constexpr int NV = (VECS + 31) / 32;  // 16-byte loads a lane makes per chunk
   // 16 bytes beyond each warp's chunk: the last lane's fifth word, which the odd lanes read and do not use
   __shared__ __align__(16) uint8_t stage[DOT_WARPS][STAGED_CHUNKS][CHUNK + 16];
@@ -315,25 +319,42 @@ rowdot_staged_kernel(const uint8_t* __restrict__ w, int64_t row_bytes, QuantX x,
         const uint8_t* st = stage[warp][u];
         const uint32_t* words = reinterpret_cast<const uint32_t*>(st + ((off + 2) & ~3));
         const float dw = __half2float(__ushort_as_half(*reinterpret_cast<const unsigned short*>(st + off)));
-        int lo[4], hi[4];  // elements 4i..4i+3 and 16+4i..16+4i+3
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const uint32_t q = __funnelshift_r(words[i], words[i + 1], shift);
-          lo[i] = static_cast<int>(q & 0x0F0F0F0Fu);
-          hi[i] = static_cast<int>((q >> 4) & 0x0F0F0F0Fu);
-        }
         const int64_t b = (c0 + u) * 32 + lane;
+        if constexpr (QT == Q4_0) {
+          int lo[4], hi[4];  // elements 4i..4i+3 and 16+4i..16+4i+3
 #pragma unroll
-        for (int t = 0; t < T; ++t) {
-          const int4* p0 = reinterpret_cast<const int4*>(x.q0 + t * K + b * QK);
-          const int4* p1 = reinterpret_cast<const int4*>(x.q1 + t * K + b * QK);
-          const int4 a = __ldg(p0), a2 = __ldg(p0 + 1), q0 = __ldg(p1), q2 = __ldg(p1 + 1);
-          int s0 = __dp4a(lo[0], a.x, __dp4a(lo[1], a.y, __dp4a(lo[2], a.z, __dp4a(lo[3], a.w, 0))));
-          s0 = __dp4a(hi[0], a2.x, __dp4a(hi[1], a2.y, __dp4a(hi[2], a2.z, __dp4a(hi[3], a2.w, s0))));
-          int s1 = __dp4a(lo[0], q0.x, __dp4a(lo[1], q0.y, __dp4a(lo[2], q0.z, __dp4a(lo[3], q0.w, 0))));
-          s1 = __dp4a(hi[0], q2.x, __dp4a(hi[1], q2.y, __dp4a(hi[2], q2.z, __dp4a(hi[3], q2.w, s1))));
-          const float2 xd = x.dd[t * nb + b];
-          acc[t] += dw * (xd.x * static_cast<float>(s0 * 128 + s1) - 8.f * xd.y);  // the weights' offset of 8
+          for (int i = 0; i < 4; ++i) {
+            const uint32_t q = __funnelshift_r(words[i], words[i + 1], shift);
+            lo[i] = static_cast<int>(q & 0x0F0F0F0Fu);
+            hi[i] = static_cast<int>((q >> 4) & 0x0F0F0F0Fu);
+          }
+#pragma unroll
+          for (int t = 0; t < T; ++t) {
+            const int4* p0 = reinterpret_cast<const int4*>(x.q0 + t * K + b * QK);
+            const int4* p1 = reinterpret_cast<const int4*>(x.q1 + t * K + b * QK);
+            const int4 a = __ldg(p0), a2 = __ldg(p0 + 1), q0 = __ldg(p1), q2 = __ldg(p1 + 1);
+            int s0 = __dp4a(lo[0], a.x, __dp4a(lo[1], a.y, __dp4a(lo[2], a.z, __dp4a(lo[3], a.w, 0))));
+            s0 = __dp4a(hi[0], a2.x, __dp4a(hi[1], a2.y, __dp4a(hi[2], a2.z, __dp4a(hi[3], a2.w, s0))));
+            int s1 = __dp4a(lo[0], q0.x, __dp4a(lo[1], q0.y, __dp4a(lo[2], q0.z, __dp4a(lo[3], q0.w, 0))));
+            s1 = __dp4a(hi[0], q2.x, __dp4a(hi[1], q2.y, __dp4a(hi[2], q2.z, __dp4a(hi[3], q2.w, s1))));
+            const float2 xd = x.dd[t * nb + b];
+            acc[t] += dw * (xd.x * static_cast<float>(s0 * 128 + s1) - 8.f * xd.y);  // the weights' offset of 8
+          }
+        } else {  // Q8_0: 32 signed bytes, no offset
+          int q[8];
+#pragma unroll
+          for (int i = 0; i < 8; ++i) q[i] = static_cast<int>(__funnelshift_r(words[i], words[i + 1], shift));
+#pragma unroll
+          for (int t = 0; t < T; ++t) {
+            const int4* p0 = reinterpret_cast<const int4*>(x.q0 + t * K + b * QK);
+            const int4* p1 = reinterpret_cast<const int4*>(x.q1 + t * K + b * QK);
+            const int4 a = __ldg(p0), a2 = __ldg(p0 + 1), c = __ldg(p1), c2 = __ldg(p1 + 1);
+            int s0 = __dp4a(q[0], a.x, __dp4a(q[1], a.y, __dp4a(q[2], a.z, __dp4a(q[3], a.w, 0))));
+            s0 = __dp4a(q[4], a2.x, __dp4a(q[5], a2.y, __dp4a(q[6], a2.z, __dp4a(q[7], a2.w, s0))));
+            int s1 = __dp4a(q[0], c.x, __dp4a(q[1], c.y, __dp4a(q[2], c.z, __dp4a(q[3], c.w, 0))));
+            s1 = __dp4a(q[4], c2.x, __dp4a(q[5], c2.y, __dp4a(q[6], c2.z, __dp4a(q[7], c2.w, s1))));
+            acc[t] += dw * (x.dd[t * nb + b].x * static_cast<float>(s0 * 128 + s1));
+          }
         }
       }
     }
@@ -440,9 +461,9 @@ void rowdot_launch_t(const uint8_t* w, int64_t row_bytes, X x, int64_t K, const 
   const dim3 grid((n_out + rows_per_block - 1) / rows_per_block), block(32 * DOT_WARPS);
   const bool early = pdl_enabled();  // launched early: prefetch before waiting
   if constexpr (STAGED) {
-    if (S == 1) launch(rowdot_staged_kernel<T, 1>, grid, block, 0, stream, w, row_bytes, x, K, idx, mask, n_out, y, res, early);
-    else if (S == 2) launch(rowdot_staged_kernel<T, 2>, grid, block, 0, stream, w, row_bytes, x, K, idx, mask, n_out, y, res, early);
-    else launch(rowdot_staged_kernel<T, 4>, grid, block, 0, stream, w, row_bytes, x, K, idx, mask, n_out, y, res, early);
+    if (S == 1) launch(rowdot_staged_kernel<QT, T, 1>, grid, block, 0, stream, w, row_bytes, x, K, idx, mask, n_out, y, res, early);
+    else if (S == 2) launch(rowdot_staged_kernel<QT, T, 2>, grid, block, 0, stream, w, row_bytes, x, K, idx, mask, n_out, y, res, early);
+    else launch(rowdot_staged_kernel<QT, T, 4>, grid, block, 0, stream, w, row_bytes, x, K, idx, mask, n_out, y, res, early);
   } else {
     if (S == 1) launch(rowdot_kernel<QT, T, 1, X>, grid, block, 0, stream, w, row_bytes, x, K, idx, mask, n_out, y, res, early);
     else if (S == 2) launch(rowdot_kernel<QT, T, 2, X>, grid, block, 0, stream, w, row_bytes, x, K, idx, mask, n_out, y, res, early);
@@ -465,9 +486,19 @@ void rowdot_launch(const uint8_t* w, int64_t row_bytes, X x, int64_t K, const in
   }
 }
 
-bool env_off(const char* name) {  // NAME=0
+bool env_off(const char* name) {  // NAME=0 (read per call: tests switch it)
   const char* v = std::getenv(name);
   return v && v[0] == '0' && v[1] == 0;
+}
+
+bool env_on(const char* name) {  // NAME=1
+  const char* v = std::getenv(name);
+  return v && v[0] == '1' && v[1] == 0;
+}
+
+// rows the staged kernel can read: 16-byte aligned start and length
+bool staged_ok(const void* w, int64_t row_bytes) {
+  return reinterpret_cast<uintptr_t>(w) % 16 == 0 && row_bytes % 16 == 0;
 }
 
 // y[T, D] must hold zeros (or what the sum is added to); tokens go in chunks of axpy_max_tokens.
@@ -493,8 +524,9 @@ void axpy_launch(const uint8_t* w, int64_t row_bytes, const float* h, int64_t n_
 
 // Launchers only: argument checks live in cuda_ops.cpp (host C++), because a c10::Error thrown from
 // nvcc-compiled code crashed the process on the GPU machine instead of raising.
-// xq: scratch of rowdot_scratch_bytes for Q4_0 weights (x quantized there first); without it
-// (HS_CUDA_QUANT_X=0) they read float32 x. res: null, or [T, n_out] added to y as it is written.
+// xq: scratch of rowdot_scratch_bytes (x quantized there first, for Q4_0 rows and with
+// HS_CUDA_STAGED_Q8=1 aligned Q8_0 rows); without it they read float32 x. res: null, or [T, n_out]
+// added to y as it is written.
 void launch_rowdot(int64_t qtype, const uint8_t* w, int64_t row_bytes, const float* x, int64_t K,
                    const int32_t* idx, const bool* mask, int64_t n_out, float* y, const float* res, int T,
                    uint8_t* xq, cudaStream_t stream) {
@@ -511,16 +543,21 @@ void launch_rowdot(int64_t qtype, const uint8_t* w, int64_t row_bytes, const flo
   float2* dd = reinterpret_cast<float2*>(xq + 2 * n);
   launch(quantize_x_kernel, dim3((n_blocks + 7) / 8), dim3(256), 0, stream, x, n_blocks, q0, q1, dd);
   const QuantX qx{q0, q1, dd, K};
-  static const bool staged = !env_off("HS_CUDA_STAGED");
-  if (staged && reinterpret_cast<uintptr_t>(w) % 16 == 0 && row_bytes % 16 == 0)
+  // Q8_0 rows get scratch only for the staged kernel (rowdot_scratch_bytes)
+  if (qtype == Q8_0) return rowdot_launch<Q8_0, true>(w, row_bytes, qx, K, idx, mask, n_out, y, res, T, stream);
+  if (staged_ok(w, row_bytes) && !env_off("HS_CUDA_STAGED"))
     return rowdot_launch<Q4_0, true>(w, row_bytes, qx, K, idx, mask, n_out, y, res, T, stream);
   rowdot_launch<Q4_0>(w, row_bytes, qx, K, idx, mask, n_out, y, res, T, stream);
 }
 
-// bytes of scratch launch_rowdot needs to quantize x: both planes and a float2 per 32-element block
-int64_t rowdot_scratch_bytes(int64_t qtype, int64_t T, int64_t K) {
-  static const bool quant_x = !env_off("HS_CUDA_QUANT_X");
-  return quant_x && qtype == Q4_0 ? T * K * 2 + T * (K / QK) * 8 : 0;
+// bytes of scratch launch_rowdot needs to quantize x: both planes and a float2 per 32-element block.
+// Q4_0 rows (HS_CUDA_QUANT_X=0: none, they read float x); Q8_0 rows with HS_CUDA_STAGED_Q8=1 when their
+// rows are 16-byte aligned (the staged kernel against x in two 8-bit planes; opt-in until measured:
+// Q8_0 rows against float x staged that way lost)
+int64_t rowdot_scratch_bytes(int64_t qtype, int64_t T, int64_t K, const void* w, int64_t row_bytes) {
+  const bool quant_x = qtype == Q4_0 ? !env_off("HS_CUDA_QUANT_X")
+                                     : qtype == Q8_0 && env_on("HS_CUDA_STAGED_Q8") && staged_ok(w, row_bytes);
+  return quant_x ? T * K * 2 + T * (K / QK) * 8 : 0;
 }
 
 void launch_axpy(int64_t qtype, const uint8_t* w, int64_t row_bytes, const float* h, int64_t n_rows,

@@ -18,6 +18,7 @@
 #   s2ab: S2's step with two- / one-plane activations and the polled hand-over, alternating
 #   pdltests: the layer / sparse-op / model GPU tests with programmatic dependent launch on (HS_CUDA_PDL=1)
 #   pdl: a 7B-shaped F16 model all on the GPU and the CUDA kernels, with it off and on alternately
+#   kq8: the Q8_0 row-dot as it is and staged against x in two planes (HS_CUDA_STAGED_Q8=1), side by side
 set -uo pipefail
 OUT=${OUT:-gpu-results}
 mkdir -p "$OUT"
@@ -153,6 +154,12 @@ done
 for pdl in 0 1; do
   HS_CUDA_PDL=$pdl hs-bench kernels --device cuda --types F16,Q4_0 --shapes llama-2-7b,llama-2-70b --densities 1.0,0.1 \
     --reps 3 --json "$OUT/kernels-cuda-pdl$pdl.json" 2>&1 | tail -9
+done
+fi
+if [[ $STAGES == *,kq8,* ]]; then  # Q8_0 rows: half-blocks against float x, then staged against x in two planes
+for v in 0 1; do
+  HS_CUDA_STAGED_Q8=$v hs-bench kernels --device cuda --types Q8_0 --shapes llama-2-70b,falcon-40b --densities 1.0,0.1 \
+    --reps 3 --json "$OUT/kernels-cuda-q8-staged$v.json" 2>&1 | tail -5
 done
 fi
 if [[ $STAGES == *,sprobe,* ]]; then  # batched hybrid decode step by step (what hs-serve runs with many clients)
