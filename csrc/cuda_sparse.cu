@@ -272,7 +272,8 @@ rowdot_staged_kernel(const uint8_t* __restrict__ w, int64_t row_bytes, QuantX x,
   constexpr int BYTES = QT == Q4_0 ? sizeof(BlockQ4_0) : sizeof(BlockQ8_0);
   constexpr int ROWS = DOT_WARPS / S, CHUNK = 32 * BYTES, VECS = CHUNK / 16;
   constexpr int NV = (VECS + 31) / 32;  // 16-byte loads a lane makes per chunk
-  // 16 bytes beyond each warp's chunk: the last lane's fifth word, which the odd lanes read and do not use
+  // 16 bytes beyond each chunk: the last lane's last word, which a lane whose quants start 4-byte
+  // aligned reads and does not use
   __shared__ __align__(16) uint8_t stage[DOT_WARPS][STAGED_CHUNKS][CHUNK + 16];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, slice = warp % S;
   const int64_t k = static_cast<int64_t>(blockIdx.x) * ROWS + warp / S;
@@ -451,7 +452,7 @@ axpy_kernel(const uint8_t* __restrict__ w, int64_t row_bytes, const float* __res
   }
 }
 
-// rowdot_kernel, or with STAGED rowdot_staged_kernel (Q4_0 rows, X = QuantX)
+// rowdot_kernel, or with STAGED rowdot_staged_kernel (Q4_0 or Q8_0 rows, X = QuantX)
 template <int64_t QT, int T, bool STAGED, typename X>
 void rowdot_launch_t(const uint8_t* w, int64_t row_bytes, X x, int64_t K, const int32_t* idx,
                      const bool* mask, int64_t n_out, float* y, const float* res, cudaStream_t stream) {
