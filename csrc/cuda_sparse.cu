@@ -160,6 +160,18 @@ struct QuantX {
   __device__ __forceinline__ int2 plane(const int8_t* p, int64_t t, int64_t col) const {
     return __ldg(reinterpret_cast<const int2*>(p + t * K + col));
   }
+  // 128 * (w . q0) + (w . q1) over block b of token t, w: its 32 int8 weights, four a word (the staged
+  // row-dot), with four 16-byte loads of the planes
+  __device__ __forceinline__ int block_dot(const int* w, int64_t t, int64_t b) const {
+    const int4* p0 = reinterpret_cast<const int4*>(q0 + t * K + b * QK);
+    const int4* p1 = reinterpret_cast<const int4*>(q1 + t * K + b * QK);
+    const int4 a = __ldg(p0), a2 = __ldg(p0 + 1), c = __ldg(p1), c2 = __ldg(p1 + 1);
+    int s0 = __dp4a(w[0], a.x, __dp4a(w[1], a.y, __dp4a(w[2], a.z, __dp4a(w[3], a.w, 0))));
+    s0 = __dp4a(w[4], a2.x, __dp4a(w[5], a2.y, __dp4a(w[6], a2.z, __dp4a(w[7], a2.w, s0))));
+    int s1 = __dp4a(w[0], c.x, __dp4a(w[1], c.y, __dp4a(w[2], c.z, __dp4a(w[3], c.w, 0))));
+    s1 = __dp4a(w[4], c2.x, __dp4a(w[5], c2.y, __dp4a(w[6], c2.z, __dp4a(w[7], c2.w, s1))));
+    return s0 * 128 + s1;
+  }
   template <int64_t QT, int T>
   __device__ __forceinline__ void add(const uint8_t* wr, int64_t u, float* acc) const {
     static_assert(QT == Q4_0, "QuantX: Q4_0 rows");
@@ -321,41 +333,23 @@ rowdot_staged_kernel(const uint8_t* __restrict__ w, int64_t row_bytes, QuantX x,
         const uint32_t* words = reinterpret_cast<const uint32_t*>(st + ((off + 2) & ~3));
         const float dw = __half2float(__ushort_as_half(*reinterpret_cast<const unsigned short*>(st + off)));
         const int64_t b = (c0 + u) * 32 + lane;
-        if constexpr (QT == Q4_0) {
-          int lo[4], hi[4];  // elements 4i..4i+3 and 16+4i..16+4i+3
+        int wq[8];  // the block's 32 weights as int8, four a word
+        if constexpr (QT == Q4_0) {  // low nibbles: elements 0-15, high: 16-31
 #pragma unroll
           for (int i = 0; i < 4; ++i) {
             const uint32_t q = __funnelshift_r(words[i], words[i + 1], shift);
-            lo[i] = static_cast<int>(q & 0x0F0F0F0Fu);
-            hi[i] = static_cast<int>((q >> 4) & 0x0F0F0F0Fu);
+            wq[i] = static_cast<int>(q & 0x0F0F0F0Fu);
+            wq[4 + i] = static_cast<int>((q >> 4) & 0x0F0F0F0Fu);
           }
+        } else {  // Q8_0: 32 signed bytes
 #pragma unroll
-          for (int t = 0; t < T; ++t) {
-            const int4* p0 = reinterpret_cast<const int4*>(x.q0 + t * K + b * QK);
-            const int4* p1 = reinterpret_cast<const int4*>(x.q1 + t * K + b * QK);
-            const int4 a = __ldg(p0), a2 = __ldg(p0 + 1), q0 = __ldg(p1), q2 = __ldg(p1 + 1);
-            int s0 = __dp4a(lo[0], a.x, __dp4a(lo[1], a.y, __dp4a(lo[2], a.z, __dp4a(lo[3], a.w, 0))));
-            s0 = __dp4a(hi[0], a2.x, __dp4a(hi[1], a2.y, __dp4a(hi[2], a2.z, __dp4a(hi[3], a2.w, s0))));
-            int s1 = __dp4a(lo[0], q0.x, __dp4a(lo[1], q0.y, __dp4a(lo[2], q0.z, __dp4a(lo[3], q0.w, 0))));
-            s1 = __dp4a(hi[0], q2.x, __dp4a(hi[1], q2.y, __dp4a(hi[2], q2.z, __dp4a(hi[3], q2.w, s1))));
-            const float2 xd = x.dd[t * nb + b];
-            acc[t] += dw * (xd.x * static_cast<float>(s0 * 128 + s1) - 8.f * xd.y);  // the weights' offset of 8
-          }
-        } else {  // Q8_0: 32 signed bytes, no offset
-          int q[8];
+          for (int i = 0; i < 8; ++i) wq[i] = static_cast<int>(__funnelshift_r(words[i], words[i + 1], shift));
+        }
 #pragma unroll
-          for (int i = 0; i < 8; ++i) q[i] = static_cast<int>(__funnelshift_r(words[i], words[i + 1], shift));
-#pragma unroll
-          for (int t = 0; t < T; ++t) {
-            const int4* p0 = reinterpret_cast<const int4*>(x.q0 + t * K + b * QK);
-            const int4* p1 = reinterpret_cast<const int4*>(x.q1 + t * K + b * QK);
-            const int4 a = __ldg(p0), a2 = __ldg(p0 + 1), c = __ldg(p1), c2 = __ldg(p1 + 1);
-            int s0 = __dp4a(q[0], a.x, __dp4a(q[1], a.y, __dp4a(q[2], a.z, __dp4a(q[3], a.w, 0))));
-            s0 = __dp4a(q[4], a2.x, __dp4a(q[5], a2.y, __dp4a(q[6], a2.z, __dp4a(q[7], a2.w, s0))));
-            int s1 = __dp4a(q[0], c.x, __dp4a(q[1], c.y, __dp4a(q[2], c.z, __dp4a(q[3], c.w, 0))));
-            s1 = __dp4a(q[4], c2.x, __dp4a(q[5], c2.y, __dp4a(q[6], c2.z, __dp4a(q[7], c2.w, s1))));
-            acc[t] += dw * (x.dd[t * nb + b].x * static_cast<float>(s0 * 128 + s1));
-          }
+        for (int t = 0; t < T; ++t) {
+          const float2 xd = x.dd[t * nb + b];
+          // Q4_0's nibbles carry an offset of 8: the block's whole term, x's block sum times 8
+          acc[t] += dw * (xd.x * static_cast<float>(x.block_dot(wq, t, b)) - (QT == Q4_0 ? 8.f * xd.y : 0.f));
         }
       }
     }
