@@ -43,7 +43,15 @@ __device__ __forceinline__ void prefetch_l2_warp(const void* p, int64_t bytes, i
     asm volatile("prefetch.global.L2 [%0];" ::"l"(static_cast<const char*>(p) + off));
 }
 
-// HS_CUDA_PDL=1 on a GPU of compute capability 9.0 or later (read per launch: tests switch it)
+// NAME=1 / NAME=0 in the environment (switches read per launch: tests change them within a process)
+inline bool env_is(const char* name, char value) {
+  const char* v = std::getenv(name);
+  return v && v[0] == value && v[1] == 0;
+}
+inline bool env_on(const char* name) { return env_is(name, '1'); }
+inline bool env_off(const char* name) { return env_is(name, '0'); }
+
+// HS_CUDA_PDL=1 on a GPU of compute capability 9.0 or later
 inline bool pdl_enabled() {
   static const int major = [] {
     int dev = 0, m = 0;
@@ -53,8 +61,7 @@ inline bool pdl_enabled() {
     }
     return m;
   }();
-  const char* v = std::getenv("HS_CUDA_PDL");
-  return major >= 9 && v && v[0] == '1' && v[1] == 0;
+  return major >= 9 && env_on("HS_CUDA_PDL");
 }
 
 // kernel<<<grid, block, smem, stream>>>(args...), with the PDL attribute where pdl_enabled()

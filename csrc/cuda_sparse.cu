@@ -19,7 +19,6 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <cstdlib>
 
 #include "cuda_launch.h"
 #include "quant_blocks.h"
@@ -479,16 +478,6 @@ void rowdot_launch(const uint8_t* w, int64_t row_bytes, X x, int64_t K, const in
     case 7: rowdot_launch_t<QT, 7, STAGED>(w, row_bytes, x, K, idx, mask, n_out, y, res, stream); break;
     default: rowdot_launch_t<QT, 8, STAGED>(w, row_bytes, x, K, idx, mask, n_out, y, res, stream); break;
   }
-}
-
-bool env_off(const char* name) {  // NAME=0 (read per call: tests switch it)
-  const char* v = std::getenv(name);
-  return v && v[0] == '0' && v[1] == 0;
-}
-
-bool env_on(const char* name) {  // NAME=1
-  const char* v = std::getenv(name);
-  return v && v[0] == '1' && v[1] == 0;
 }
 
 // rows the staged kernel can read: 16-byte aligned start and length

@@ -312,7 +312,7 @@ def matmul_add(x: torch.Tensor, data: torch.Tensor, qtype: Q, res: torch.Tensor)
     adds res as it writes its rows, one kernel where a GEMV and an add were two (and the add broke
     the chain of kernels that HS_CUDA_PDL lets overlap); otherwise `matmul`, then the add."""
     if _our_cuda_gemv(x, data, qtype) and res.dtype == torch.float32 and res.device == data.device \
-            and tuple(res.shape) == (x.shape[0], data.shape[0]) and hasattr(ops(), "matmul_add"):
+            and tuple(res.shape) == (x.shape[0], data.shape[0]):
         return ops().matmul_add(data, int(qtype), x.contiguous(), res.contiguous())
     return res + matmul(x, data, qtype)
 

@@ -95,6 +95,7 @@ VARIANTS = (("graphs", "graphs + host nodes", True, True, {}),
             ("events", "events (HS_HOST_NODES=0)", False, False, {}),
             ("events-nohg", "the same, HS_HOT_GRAPHS=0", False, False, {}))
 by_key = {v[0]: v for v in VARIANTS}
+default_handover = kernels.HANDOVER  # the runtime's (HS_HANDOVER or its default), for generate / trace below
 for key, label, graphs, nodes, env in (by_key[k] for k in modes if k in by_key):  # in the order asked, repeats too
     saved = {k: os.environ.get(k) for k in ("HS_COLD_POOL", "HS_GRAPH_WAIT", "HS_FUSED_FFN", "HS_COLD_SKIP",
                                       "HS_FFN_CHUNK", "HS_ACT_PLANES")}
@@ -117,7 +118,7 @@ for key, label, graphs, nodes, env in (by_key[k] for k in modes if k in by_key):
                f"{rows / steps:.0f} cold rows: {rate:5.1f} GiB/s)")
     print(f"{label:26s} {dt * 1e3:7.1f} ms per token ({1 / dt:6.2f} tok/s){cpu}")
 hybrid.HOT_GRAPHS = True
-kernels.HANDOVER = os.environ.get("HS_HANDOVER", "poll")  # generate / trace below: the default hand-over
+kernels.HANDOVER = default_handover
 if "layers" in modes:  # eager steps, synchronised after every layer: where a step's time goes by layer kind
     kernels.HOST_NODES = True
     groups: dict[str, list[float]] = {}
