@@ -140,21 +140,31 @@ def test_cuda_sparse_ffn_equals_cpu(activation, gated, act_on_up):
     torch.testing.assert_close(yc.cpu(), y, rtol=5e-3, atol=2e-3 * max(1.0, y.abs().max().item()))
 
 
+def _captured(fn, warmups=1):
+    """fn() captured in a CUDA graph after warm-up runs off the capture stream (as torch recommends):
+    the graph and fn's outputs, which each replay rewrites."""
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        for _ in range(warmups):
+            fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = fn()
+    return g, out
+
+
 def test_cuda_sparse_ops_capture_in_a_graph():
     """Launched on the current stream with no host synchronisation: a CUDA graph replays them."""
     qtype = Q.Q4_0
     w = random_rows(qtype, 1024, 512).cuda()
     x = torch.randn(1, 512, device="cuda")
     mask = torch.zeros(1024, dtype=torch.bool, device="cuda")
-    s = torch.cuda.Stream()
-    with torch.cuda.stream(s):  # warm-up off the capture stream, as torch recommends
-        for _ in range(2):
-            kernels.sparse_axpy(w, qtype, kernels.sparse_rowdot(w, qtype, x, None, mask, check=False), None, check=False)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
+    def step():
         h = kernels.sparse_rowdot(w, qtype, x, None, mask, check=False).relu()
-        y = kernels.sparse_axpy(w, qtype, h, None, check=False)
+        return h, kernels.sparse_axpy(w, qtype, h, None, check=False)
+
+    g, (h, y) = _captured(step, warmups=2)
     for density in (0.0, 0.1, 1.0):
         mask.copy_(torch.rand(1024, device="cuda") < density)
         x.normal_()
@@ -212,13 +222,7 @@ def test_programmatic_dependent_launch_chain(graph, monkeypatch):
             out = chain()
             torch.cuda.synchronize()
             return [t.clone() for t in out]
-        s = torch.cuda.Stream()
-        with torch.cuda.stream(s):
-            chain()
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            out = chain()
+        g, out = _captured(chain)
         results = []
         for _ in range(3):  # replays: the same answer each time
             g.replay()
