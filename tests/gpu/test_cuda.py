@@ -66,21 +66,18 @@ def test_programmatic_dependent_launch_gives_the_same_decode(name, tmp_path, mon
     """HS_CUDA_PDL=1 (csrc/cuda_launch.h): every compiled kernel may start while the one before it ends
     and waits for it before touching its data. Decode steps op by op and replayed as CUDA graphs give
     the logits of launches without it (the same kernels: equal up to the axpy's atomic sums)."""
-    from hybridsparse.runtime.generate import Generator
+    from test_hybrid_cuda import _generator_run
     build_case(name, tmp_path, dtype="f16")  # rows the compiled row-dot reads (F32 goes to cuBLAS)
-    ids = torch.randint(0, VOCAB, (5,), generator=torch.Generator().manual_seed(4)).tolist()
+    ids = torch.randint(0, VOCAB, (5,), generator=torch.Generator().manual_seed(4))
     feed = torch.randint(0, VOCAB, (6,), generator=torch.Generator().manual_seed(6)).tolist()
     runs = []
     for pdl, graphs in (("0", True), ("1", False), ("1", True)):
         monkeypatch.setenv("HS_CUDA_PDL", pdl)
         m = load_model(GGUFFile(tmp_path / f"{name}.gguf"))
         m.place(m.config.n_layers + 1, torch.device("cuda"))
-        gen = Generator(m, None, 64, use_graphs=graphs)
-        with torch.inference_mode():
-            gen.eval(ids)
-            runs.append(torch.stack([gen.eval([t]).float().cpu() for t in feed]))
-        torch.cuda.synchronize()
-        assert (gen._graphs is not None) == graphs
+        logits, graphed = _generator_run(m, ids, feed, graphs=graphs)
+        assert graphed == graphs
+        runs.append(logits)
     scale = max(runs[0].abs().max().item(), 1.0)
     for r in runs[1:]:
         assert (r - runs[0]).abs().max().item() <= 1e-4 * scale

@@ -55,13 +55,14 @@ def test_oracle_hybrid_on_cuda_equals_dense_on_cuda(name, cold, tmp_path, monkey
         assert tokens == ref_tokens
 
 
-def _generator_run(model, ids, feed):
+def _generator_run(model, ids, feed, graphs=True):
     """Prefill, then decode the tokens `feed` one by one through the Generator (CUDA graphs when every
-    layer is on the GPU; teacher-forced, so a near tie between two logits of a random model cannot
-    send two runs down different paths): the logits of each decode step, and whether graphs ran."""
+    layer is on the GPU, unless graphs=False; teacher-forced, so a near tie between two logits of a
+    random model cannot send two runs down different paths): the logits of each decode step, and
+    whether graphs ran."""
     from hybridsparse.runtime import kernels
     from hybridsparse.runtime.generate import Generator
-    gen = Generator(model, None, 64)
+    gen = Generator(model, None, 64, use_graphs=graphs)
     with torch.inference_mode():
         gen.eval(ids.tolist())
         out = [gen.eval([tok]).float().cpu() for tok in feed]
