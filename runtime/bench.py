@@ -693,6 +693,29 @@ KERNEL_SHAPES = {  # name: (d_model, n_ff): FFN rows of real models
     "llama-2-7b": (4096, 11008), "llama-2-13b": (5120, 13824), "llama-2-70b": (8192, 28672),
     "falcon-40b": (8192, 32768),
 }
+KERNEL_TYPES = ("F16", "BF16", "Q8_0", "Q4_0")  # the weight types the sparse ops take
+
+
+def _listed(valid, norm):
+    """argparse type: a comma-separated list of names from `valid` (case as `norm` makes it)."""
+    def parse(text: str) -> list[str]:
+        names = [norm(t.strip()) for t in text.split(",") if t.strip()]
+        bad = [n for n in names if n not in valid]
+        if bad or not names:
+            raise argparse.ArgumentTypeError(f"{text!r}: expected a comma-separated list of {', '.join(valid)}")
+        return names
+    return parse
+
+
+def _densities(text: str) -> list[float]:
+    """argparse type: comma-separated fractions in (0, 1]."""
+    try:
+        out = [float(t) for t in text.split(",")]
+    except ValueError:
+        out = []
+    if not out or not all(0 < d <= 1 for d in out):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated fractions in (0, 1], e.g. 1,0.1")
+    return out
 
 
 def _random_weight(qtype, rows: int, cols: int) -> torch.Tensor:
@@ -752,10 +775,10 @@ def _kernels(args) -> int:
         raise SystemExit("hs-bench kernels --device cuda: no CUDA device or the CUDA kernels did not build")
     dev = torch.device(args.device)
     bw = measure_bandwidth_gib_s(args.device)
-    rows_out, densities = [], [float(d) for d in args.densities.split(",")]
-    for shape in args.shapes.split(","):
+    rows_out, densities = [], args.densities
+    for shape in args.shapes:
         d_model, n_ff = KERNEL_SHAPES[shape]
-        for tname in args.types.split(","):
+        for tname in args.types:
             qtype = Q[tname]
             w = _random_weight(qtype, n_ff, d_model).to(dev)
             row_bytes = w.shape[1] * w.element_size()
@@ -881,9 +904,12 @@ def build_parser() -> argparse.ArgumentParser:
     kern = sub.add_parser("kernels", help="sparse ops: effective GiB/s at several densities, vs bandwidth and torch")
     kern.add_argument("-t", "--threads", type=int, default=default_threads())
     kern.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    kern.add_argument("--shapes", default="llama-2-7b,llama-2-13b,llama-2-70b,falcon-40b")
-    kern.add_argument("--types", default="F16,Q8_0,Q4_0")
-    kern.add_argument("--densities", default="1.0,0.25,0.1,0.03")
+    kern.add_argument("--shapes", default="llama-2-7b,llama-2-13b,llama-2-70b,falcon-40b",
+                      type=_listed(KERNEL_SHAPES, str.lower), help="comma-separated, of: " + ", ".join(KERNEL_SHAPES))
+    kern.add_argument("--types", default="F16,Q8_0,Q4_0", type=_listed(KERNEL_TYPES, str.upper),
+                      help="comma-separated weight types, of: " + ", ".join(KERNEL_TYPES))
+    kern.add_argument("--densities", default="1.0,0.25,0.1,0.03", type=_densities,
+                      help="comma-separated fractions of the rows in (0, 1]")
     kern.add_argument("--reps", type=int, default=5)
     kern.add_argument("--json")
     kern.add_argument("--verbose", action="store_true")

@@ -148,6 +148,23 @@ def test_bad_input_is_one_clear_error(tmp_path, capsys):
     assert not list(tmp_path.glob("*.gguf*"))  # nothing half-written
     with pytest.raises(SystemExit):
         bench.main(["scenario", "S9"])
+    capsys.readouterr()
+    for flag, value, expected in [("--types", "q5", "F16, BF16, Q8_0, Q4_0"), ("--densities", "0,2", "(0, 1]"),
+                                  ("--shapes", "llama-9b", "llama-2-7b")]:
+        with pytest.raises(SystemExit) as exit_:
+            bench.main(["kernels", flag, value])
+        assert exit_.value.code == 2
+        err = capsys.readouterr().err
+        assert f"argument {flag}: {value!r}" in err and expected in err
+
+
+def test_kernel_benchmark_takes_types_and_shapes_in_any_case(tmp_path):
+    out = tmp_path / "k.json"
+    assert bench.main(["kernels", "-t", "1", "--shapes", "LLAMA-2-7B", "--types", "q8_0,f16", "--densities", "0.01",
+                       "--reps", "1", "--json", str(out)]) == 0
+    import json
+    rows = json.loads(out.read_text())["results"]
+    assert [(r["shape"], r["type"]) for r in rows] == [("llama-2-7b", "Q8_0"), ("llama-2-7b", "F16")]
 
 
 def test_scenario_table_goes_into_the_readme(tmp_path):
