@@ -23,7 +23,9 @@ def test_cuda_qmatmul_matches_twin_and_cpu(qtype, tokens):
     x = torch.randn(tokens, 32 * 7)
     y = kernels.ops().qmatmul(w.cuda(), int(qtype), x.cuda()).cpu()
     ref = kernels.matmul_reference(x, w, qtype)
-    torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4)
+    # Q4_0 rows meet x quantized on the GPU to two 8-bit planes (~15 bits, as on the CPU); Q8_0 float x
+    scale = max(1.0, ref.abs().max().item())
+    torch.testing.assert_close(y, ref, rtol=0, atol=(2e-3 if qtype == Q.Q4_0 else 1e-4) * scale)
     cpu = kernels.ops().qmatmul(w, int(qtype), x)  # two-plane 8-bit activations: ~1e-4 of the scale
     assert (y - cpu).abs().max().item() <= 1e-3 * cpu.abs().max().item()
 

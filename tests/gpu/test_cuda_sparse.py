@@ -25,7 +25,7 @@ def _cols(qtype):
 def _index_sets(n):
     g = torch.Generator().manual_seed(n)
     return {"empty": torch.zeros(0, dtype=torch.int32), "single": torch.tensor([n - 1], dtype=torch.int32),
-            "all": torch.arange(n, dtype=torch.int32), "unsorted": torch.randperm(n, generator=g)[: n // 10].int(),
+            "all": torch.arange(n, dtype=torch.int32), "unsorted": torch.randperm(n, generator=g)[: max(1, n // 10)].int(),
             "none": None}
 
 
