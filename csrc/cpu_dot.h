@@ -884,4 +884,21 @@ inline void axpy_f32(float s, const float* x, float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] += s * x[i];
 }
 
+// the same over float16 values (a float16 KV cache): x . h and y += s * h
+inline float dot_f32_f16(const float* x, const uint16_t* h, int64_t n) {
+#ifdef HS_X86
+  if (cpu_has_avx2()) return dot_f16_avx2(h, x, n);
+#endif
+  float acc = 0.f;
+  for (int64_t i = 0; i < n; ++i) acc += x[i] * fp16_to_float(h[i]);
+  return acc;
+}
+
+inline void axpy_f16(float s, const uint16_t* h, float* y, int64_t n) {
+#ifdef HS_X86
+  if (cpu_has_avx2()) return axpy_f16_avx2(s, h, y, n);
+#endif
+  for (int64_t i = 0; i < n; ++i) y[i] += s * fp16_to_float(h[i]);
+}
+
 }  // namespace hs

@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _run(args) -> int:
-    from .cli import hybrid_options, sampling_params, use_threads
+    from .cli import cache_dtype, hybrid_options, sampling_params, use_threads
     from .loader import open_model, resolve_model_path
     from .sampling import Sampler, SamplingParams
     use_threads(args.threads)
@@ -80,7 +80,8 @@ def _run(args) -> int:
         texts = [args.prompt] * args.parallel
     path = resolve_model_path(args.model)
     lm = open_model(path, -1 if args.n_gpu_layers is None else args.n_gpu_layers, args.device,
-                    hybrid=hybrid_options(args, path), log_line=lambda line: print(f"hs-batched: {line}", file=sys.stderr))
+                    hybrid=hybrid_options(args, path), log_line=lambda line: print(f"hs-batched: {line}", file=sys.stderr),
+                    cache_dtype=cache_dtype(args))
     prompts = [lm.tokenizer.encode(t) for t in texts]
     longest = max(len(p) for p in prompts)
     if longest + args.n_predict > args.ctx_size:

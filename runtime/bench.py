@@ -94,7 +94,7 @@ class HSRunner:
         from .generate import Generator
         from .loader import open_model
         torch.set_num_threads(threads)
-        self.lm = lm = open_model(model_path, n_gpu_layers)
+        self.lm = lm = open_model(model_path, n_gpu_layers, cache_dtype=torch.float16)  # hs-run's -ctk/-ctv
         base = lm.tokenizer.encode("Once upon a time")
         self.prompt = (base * (prompt_tokens // len(base) + 1))[:prompt_tokens]
         self.n_gen, self.threads, self.graphs = n_gen, threads, graphs
@@ -480,9 +480,10 @@ def _hybrid_one(cfg: dict) -> dict:
     if cfg["engine"] == "hybrid":
         hw = Hardware(cfg["gpu_bw"] * GiB or 800 * GiB, cfg["cpu_bw"] * GiB, 20e-6)
         opts = HybridOptions(vram_budget=cfg["vram_budget"], mode=cfg["mode"], n_ctx=cfg["ctx_size"], hardware=hw)
-        lm = open_model(cfg["model"], hybrid=opts, log_line=lambda line: print(line, file=sys.stderr))
+        lm = open_model(cfg["model"], hybrid=opts, log_line=lambda line: print(line, file=sys.stderr),
+                        cache_dtype=torch.float16)
     else:
-        lm = open_model(cfg["model"], cfg["ngl"])
+        lm = open_model(cfg["model"], cfg["ngl"], cache_dtype=torch.float16)
     load_s = time.perf_counter() - t0
     n_prompt = cfg.get("prompt_tokens", 8)
     base = lm.tokenizer.encode("Once upon a time")

@@ -36,8 +36,24 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("-ngl", "--n-gpu-layers", "--gpu-layers", type=int, default=None, dest="n_gpu_layers",
                     help="layers on the GPU, counted from the last (llama.cpp's rule); more than the layer "
                     "count also puts the output head there (default: -1 = all when CUDA is present)")
+    ap.add_argument("-ctk", "--cache-type-k", choices=CACHE_TYPES, default="f16",
+                    help="KV cache type of the layers on the CPU, keys (default: %(default)s, as llama.cpp; "
+                    "f32 reads twice the bytes a token at long contexts); GPU layers keep f16")
+    ap.add_argument("-ctv", "--cache-type-v", choices=CACHE_TYPES, default="f16",
+                    help="the same for the values; one type for both here")
     ap.add_argument("--device", default=None, help="GPU to use, e.g. cuda:1 (default: cuda when present)")
     ap.add_argument("--verbose", action="store_true", help="log details and show tracebacks on errors")
+
+
+CACHE_TYPES = {"f16": torch.float16, "f32": torch.float32}
+
+
+def cache_dtype(args) -> torch.dtype:
+    """-ctk / -ctv as one torch dtype (the CPU attention keeps keys and values in one type)."""
+    k, v = getattr(args, "cache_type_k", "f32"), getattr(args, "cache_type_v", "f32")
+    if k != v:
+        raise InputError(f"-ctk {k} -ctv {v}: keys and values must have one cache type here (f16 or f32 for both)")
+    return CACHE_TYPES[k]
 
 
 def add_sampling_args(ap: argparse.ArgumentParser) -> None:
@@ -187,7 +203,7 @@ def _run(args) -> int:
     try:
         lm = open_model(model_path, -1 if args.n_gpu_layers is None else args.n_gpu_layers,
                         None if hybrid is not None else args.device, hybrid=hybrid,
-                        log_line=lambda line: print(f"hs-run: {line}", file=sys.stderr))
+                        log_line=lambda line: print(f"hs-run: {line}", file=sys.stderr), cache_dtype=cache_dtype(args))
     except torch.OutOfMemoryError:
         raise InputError(out_of_memory_advice(args)) from None
     n_ctx = args.ctx_size if args.ctx_size > 0 else lm.model.config.n_ctx_train

@@ -265,7 +265,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, st
     if isinstance(cache, list):
         return torch.cat([attend(q[a:b], k[a:b], v[a:b], c, sub, window, scale)
                           for (a, b, sub), c in zip(step.seqs, cache)])
-    if kernels.use_cpu_op(q) and cache.k.dtype == torch.float32:
+    if kernels.use_cpu_op(q) and cache.k.dtype in (torch.float32, torch.float16):
         return kernels.cpu.attention(q, k, v, cache.k, cache.v, step.positions, step.kv_len, window or 0, scale)
     if q.shape[0] <= CUDA_ATTENTION_MAX_TOKENS and kernels.use_cuda_op(q, k, v) \
             and cache.k.dtype in (torch.float16, torch.float32) and q.shape[2] <= 256 \
@@ -288,6 +288,8 @@ def attend_reference(q, k, v, cache: KVCache, step: Step, window: int | None, sc
     keys, values = cache.k[:, :step.kv_len], cache.v[:, :step.kv_len]
     group = n_q // n_kv
     qg = q.view(T, n_kv, group, D).permute(1, 2, 0, 3).reshape(n_kv, group * T, D)
+    if keys.dtype != torch.float32 and not keys.is_cuda:  # a half-precision host cache: float32 arithmetic
+        keys, values = keys.float(), values.float()
     if keys.dtype != torch.float32:  # CUDA: half-precision cache
         out = F.scaled_dot_product_attention(qg.to(keys.dtype), keys, values,
                                              attn_mask=step.mask(window, group).to(keys.dtype), scale=scale)

@@ -36,12 +36,15 @@ class LoadedModel:
 
 
 def open_model(path: str | Path | None, n_gpu_layers: int = -1, device: str | None = None,
-               hybrid=None, log_line=None) -> LoadedModel:
+               hybrid=None, log_line=None, cache_dtype: torch.dtype | None = None) -> LoadedModel:
     """n_gpu_layers: llama.cpp's -ngl (negative: everything on the GPU when CUDA is present).
-    hybrid: `hybrid.HybridOptions` to run the FFNs split by neuron (the GPU index) instead."""
+    hybrid: `hybrid.HybridOptions` to run the FFNs split by neuron (the GPU index) instead.
+    cache_dtype: the KV cache type of the layers on the CPU (-ctk/-ctv; default float32)."""
     gguf = GGUFFile(resolve_model_path(path))
     gguf.populate()
     model = load_model(gguf)
+    if cache_dtype is not None:
+        model.cpu_cache_dtype = cache_dtype
     tokenizer = Tokenizer(gguf)
     if hybrid is not None:
         from .hybrid import setup_hybrid

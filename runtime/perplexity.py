@@ -136,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _run(args) -> int:
-    from .cli import hybrid_options, use_threads
+    from .cli import cache_dtype, hybrid_options, use_threads
     from .loader import open_model, resolve_model_path
     use_threads(args.threads)
     if args.ctx_size < 8:
@@ -156,7 +156,8 @@ def _run(args) -> int:
         text = "\n\n".join(split(load_documents(None))[1])
     path = resolve_model_path(args.model)
     lm = open_model(path, -1 if args.n_gpu_layers is None else args.n_gpu_layers, args.device,
-                    hybrid=hybrid_options(args, path), log_line=lambda line: print(f"hs-perplexity: {line}", file=sys.stderr))
+                    hybrid=hybrid_options(args, path), log_line=lambda line: print(f"hs-perplexity: {line}", file=sys.stderr),
+                    cache_dtype=cache_dtype(args))
     out = perplexity(lm.model, lm.tokenizer, text, args.ctx_size, args.chunks,
                      log=lambda s: print(s, end=",", file=sys.stderr, flush=True),
                      kl_base=args.kl_divergence_base, kl=args.kl_divergence)

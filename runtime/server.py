@@ -684,7 +684,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _run(args) -> int:
     import uvicorn
 
-    from .cli import hybrid_options, use_threads
+    from .cli import cache_dtype, hybrid_options, use_threads
     from .loader import open_model, resolve_model_path
     if args.parallel < 1 or args.parallel > 256:
         raise InputError(f"-np {args.parallel}: expected 1 to 256 slots")
@@ -705,7 +705,7 @@ def _run(args) -> int:
     def load():
         return open_model(path, -1 if args.n_gpu_layers is None else args.n_gpu_layers,
                           None if hybrid is not None else args.device, hybrid=hybrid,
-                          log_line=lambda line: print(f"hs-serve: {line}", file=sys.stderr))
+                          log_line=lambda line: print(f"hs-serve: {line}", file=sys.stderr), cache_dtype=cache_dtype(args))
     app = create_app(args, load)
     print(f"hs-serve: listening on http://{args.host}:{args.port} ({args.parallel} slots of {args.ctx_size} tokens)",
           file=sys.stderr)

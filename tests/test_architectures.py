@@ -192,3 +192,31 @@ def test_cpu_kv_cache_commits_memory_only_for_positions_used():
     assert cache.k[:, 3:].abs().sum() == 0 and cache.v[:, 3:].abs().sum() == 0
     ref_cache = types.SimpleNamespace(k=torch.zeros(4, 32768, 64), v=torch.zeros(4, 32768, 64))
     torch.testing.assert_close(out, attend_reference(q, k, v, ref_cache, step, None, 0.125), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("tokens,window,hq,hkv,d", [(1, None, 4, 4, 64), (5, None, 8, 2, 80), (3, 4, 6, 3, 33)])
+def test_cpu_attention_op_over_a_float32_or_float16_cache(cache_dtype, tokens, window, hq, hkv, d):
+    """The compiled CPU attention (store k/v, causal or windowed softmax, grouped heads; head sizes
+    with a vector tail) against the eager reference on a float32 cache holding the values the op
+    stores: for a float16 cache (-ctk/-ctv f16, the commands' default), k and v rounded to float16."""
+    from hybridsparse.runtime import kernels
+    from hybridsparse.runtime.layers import Step, attend, attend_reference
+    if not kernels.available():
+        pytest.skip("compiled kernels not built")
+    g = torch.Generator().manual_seed(tokens * 7 + d)
+    n_ctx, past = 64, 9
+    cache = KVCache(hkv, d, n_ctx, "cpu", cache_dtype)
+    history_k, history_v = torch.randn(hkv, past, d, generator=g), torch.randn(hkv, past, d, generator=g)
+    cache.k[:, :past], cache.v[:, :past] = history_k, history_v
+    q, k, v = (torch.randn(tokens, h, d, generator=g) for h in (hq, hkv, hkv))
+    step = Step(torch.arange(past, past + tokens), past + tokens)
+    out = attend(q, k, v, cache, step, window, d ** -0.5)
+    stored = cache.k.float(), cache.v.float()
+    rounded = k.to(cache_dtype).float(), v.to(cache_dtype).float()
+    torch.testing.assert_close(stored[0][:, past:past + tokens], rounded[0].transpose(0, 1))
+    torch.testing.assert_close(stored[1][:, past:past + tokens], rounded[1].transpose(0, 1))
+    ref_cache = types.SimpleNamespace(k=torch.zeros(hkv, n_ctx, d), v=torch.zeros(hkv, n_ctx, d))
+    ref_cache.k[:, :past], ref_cache.v[:, :past] = stored[0][:, :past], stored[1][:, :past]
+    ref = attend_reference(q, *rounded, ref_cache, step, window, d ** -0.5)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)

@@ -132,6 +132,14 @@ def test_prompt_longer_than_context(tiny):
     assert "Traceback" not in r.stderr
 
 
+def test_kv_cache_types_one_line_errors(tiny):
+    r = hs_run("-m", str(tiny), "-n", "1", "-ctk", "f16", "-ctv", "f32")
+    assert r.returncode == 1 and "-ctk f16 -ctv f32: keys and values must have one cache type" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+    r = hs_run("-m", str(tiny), "-n", "1", "-ctk", "q8_0")
+    assert r.returncode == 2 and "invalid choice: 'q8_0'" in r.stderr
+
+
 def test_missing_file(tmp_path):
     r = hs_run("-m", str(tmp_path / "nope.gguf"))
     assert r.returncode == 1 and "nope.gguf: cannot open" in r.stderr

@@ -183,10 +183,14 @@ class CausalLM:
             self.rotary_by_device[device] = self.make_rotary(device)
         return self.rotary_by_device[device]
 
+    # the KV cache's type on the CPU (the commands' -ctk/-ctv, float16 there as in llama.cpp); GPU
+    # layers keep float16, which the VRAM plan counts
+    cpu_cache_dtype = torch.float32
+
     def new_cache(self, n_ctx: int) -> list[KVCache]:
         c = self.config
         return [KVCache(c.n_kv_heads, c.head_dim, n_ctx, dev,
-                        torch.float32 if dev.type == "cpu" else torch.float16)
+                        self.cpu_cache_dtype if dev.type == "cpu" else torch.float16)
                 for dev in self.placement.layers]
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: list[KVCache],
