@@ -220,3 +220,26 @@ def test_cpu_attention_op_over_a_float32_or_float16_cache(cache_dtype, tokens, w
     ref_cache.k[:, :past], ref_cache.v[:, :past] = stored[0][:, :past], stored[1][:, :past]
     ref = attend_reference(q, *rounded, ref_cache, step, window, d ** -0.5)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+def test_cpu_prompt_attention_over_a_long_cache_takes_the_gemm_path(cache_dtype):
+    """A prompt's tokens over a long cache go through batched GEMMs (layers.attend's switch): the
+    same output and the same cache contents as the compiled op, windowed and not."""
+    from hybridsparse.runtime import kernels, layers
+    from hybridsparse.runtime.layers import Step, attend
+    if not kernels.available():
+        pytest.skip("compiled kernels not built")
+    g = torch.Generator().manual_seed(11)
+    T, past, hq, hkv, d = 32, 500, 8, 2, 64
+    assert T * hq * (past + T) * d >= layers.CPU_ATTENTION_GEMM_WORK and T >= layers.CPU_ATTENTION_GEMM_TOKENS
+    for window in (None, 100):
+        a, b = KVCache(hkv, d, 600, "cpu", cache_dtype), KVCache(hkv, d, 600, "cpu", cache_dtype)
+        a.k[:, :past] = b.k[:, :past] = torch.randn(hkv, past, d, generator=g).to(cache_dtype)
+        a.v[:, :past] = b.v[:, :past] = torch.randn(hkv, past, d, generator=g).to(cache_dtype)
+        q, k, v = (torch.randn(T, h, d, generator=g) for h in (hq, hkv, hkv))
+        step = Step(torch.arange(past, past + T), past + T)
+        out = attend(q, k, v, a, step, window, 0.125)
+        op = kernels.cpu.attention(q, k, v, b.k, b.v, step.positions, step.kv_len, window or 0, 0.125)
+        torch.testing.assert_close(out, op, atol=2e-5, rtol=1e-4)
+        assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v)
