@@ -113,6 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-display-prompt", action="store_true", help="do not echo the prompt before the output")
     ap.add_argument("--no-escape", action="store_true", help="do not process escapes (\\n, \\t) in the prompt")
     ap.add_argument("--no-graphs", action="store_true", help="do not capture CUDA graphs for decoding")
+    ap.add_argument("-cnv", "--conversation", action="store_true",
+                    help="chat: read user turns from stdin (one a line, after '> '), answer each through the "
+                    "model's chat template (ChatML without one), keeping the conversation's KV cache; -p / -f "
+                    "is then the system prompt; EOF ends it")
     add_hybrid_args(ap)
     return ap
 
@@ -211,6 +215,8 @@ def _run(args) -> int:
         raise ValueError(f"-c/--ctx-size must be >= 0, got {args.ctx_size}")
     gen = Generator(lm.model, lm.tokenizer, n_ctx, n_batch=max(1, args.batch_size), use_graphs=not args.no_graphs)
     sampler = Sampler(sampling_params(args))
+    if args.conversation:
+        return _conversation(args, lm, gen, sampler, prompt if (args.file or args.prompt is not None) else None)
     ids = lm.tokenizer.encode(prompt)
     if not args.no_display_prompt:
         sys.stdout.write(prompt)
@@ -226,6 +232,48 @@ def _run(args) -> int:
     print(f"\nhs-run: model {lm.gguf.path.name} ({lm.model.config.arch}), {args.threads} threads, "
           f"seed {sampler.seed}, stop: {t.stop_reason}", file=sys.stderr)
     for line in t.summary().splitlines():
+        print(f"hs-run: {line}", file=sys.stderr)
+    return 0
+
+
+def _conversation(args, lm, gen, sampler, system: str | None) -> int:
+    """-cnv: each user line becomes a turn; the whole conversation is rendered through the chat
+    template again, and the generator keeps the cached positions it shares with the last turn, so a
+    turn evaluates only its new tokens."""
+    tok = lm.tokenizer
+    messages = [{"role": "system", "content": system}] if system else []
+    stop = list(args.stop)
+    from .generate import Timings
+    total = Timings()
+    while True:
+        sys.stdout.write("\n> ")
+        sys.stdout.flush()
+        line = sys.stdin.readline()
+        if not line:
+            break
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line.rstrip("\n")})
+        ids = tok.encode(tok.render_chat(messages, fallback=True))
+        reply = ""
+        try:
+            for piece in gen.generate(ids, args.n_predict, sampler, stop, keep_prefix=True):
+                reply += piece
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+        except torch.OutOfMemoryError:
+            raise InputError(out_of_memory_advice(args)) from None
+        messages.append({"role": "assistant", "content": reply})
+        t = gen.timings
+        total.prompt_tokens, total.prompt_s = total.prompt_tokens + t.prompt_tokens, total.prompt_s + t.prompt_s
+        total.gen_tokens, total.gen_s = total.gen_tokens + t.gen_tokens, total.gen_s + t.gen_s
+        if t.stop_reason == "context":
+            print(f"\nhs-run: the conversation filled the context of {gen.n_ctx} tokens (raise -c)", file=sys.stderr)
+            break
+    sys.stdout.write("\n")
+    print(f"\nhs-run: model {lm.gguf.path.name} ({lm.model.config.arch}), {args.threads} threads, seed {sampler.seed}, "
+          f"{sum(m['role'] == 'user' for m in messages)} turns", file=sys.stderr)
+    for line in total.summary().splitlines():
         print(f"hs-run: {line}", file=sys.stderr)
     return 0
 

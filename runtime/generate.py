@@ -114,6 +114,7 @@ class Generator:
     def __post_init__(self):
         self.cache = self.model.new_cache(self.n_ctx)
         self.n_past = 0
+        self.tokens: list[int] = []  # what the cache holds, position by position
         p = self.model.placement
         layers_gpu = len(set(p.layers)) == 1 and p.layers[0].type == "cuda" and self.model.capturable()
         self._graphs = _DecodeGraphs(self.model, self.cache, self.n_ctx, p.layers[0]) \
@@ -121,6 +122,7 @@ class Generator:
 
     def reset(self) -> None:
         self.n_past = 0
+        self.tokens = []
 
     @torch.inference_mode()
     def eval(self, ids: list[int], all_logits: bool = False) -> torch.Tensor:
@@ -129,6 +131,8 @@ class Generator:
             raise InputError(f"prompt of {len(ids)} tokens after {self.n_past} does not fit the context "
                              f"of {self.n_ctx} tokens (raise -c)")
         kernels.raise_host_errors()  # a hybrid layer's CPU part in an earlier step
+        del self.tokens[self.n_past:]
+        self.tokens.extend(ids)
         if len(ids) == 1 and self._graphs is not None and not all_logits:
             out = self._graphs.run(ids[0], self.n_past)[0]
             self.n_past += 1
@@ -144,14 +148,22 @@ class Generator:
         return torch.cat(outs) if all_logits else outs[-1][-1]
 
     def generate(self, prompt: list[int], n_predict: int, sampler: Sampler,
-                 stop: list[str] | None = None) -> Iterator[str]:
-        """Yields text pieces as they complete; `timings` holds counts and times afterwards."""
+                 stop: list[str] | None = None, keep_prefix: bool = False) -> Iterator[str]:
+        """Yields text pieces as they complete; `timings` holds counts and times afterwards.
+        keep_prefix: the cache's positions that already hold the prompt's first tokens are kept
+        (a conversation's next turn evaluates only what is new; at least one token is)."""
         if not prompt:
             raise InputError("empty prompt: nothing to condition on")
-        self.reset()
-        t = self.timings = Timings(prompt_tokens=len(prompt))
+        kept = 0
+        if keep_prefix:
+            limit = min(len(prompt) - 1, self.n_past)
+            while kept < limit and self.tokens[kept] == prompt[kept]:
+                kept += 1
+        self.n_past = kept
+        del self.tokens[kept:]
+        t = self.timings = Timings(prompt_tokens=len(prompt) - kept)
         start = time.perf_counter()
-        logits = self.eval(prompt)
+        logits = self.eval(prompt[kept:])
         _sync(logits)
         t.prompt_s = time.perf_counter() - start
         history = list(prompt)

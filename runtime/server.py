@@ -36,9 +36,6 @@ from .errors import HybridSparseError, InputError
 from .sampling import Sampler, SamplingParams
 from .tokenizer import StreamDecoder
 
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")  # llama.cpp's fallback
-
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
@@ -547,7 +544,7 @@ def create_app(args, load):
             logprobs = _field(body, "top_logprobs", int, 0, 0, 20)
         tok = eng.tok
         try:
-            text = tok.render_chat(messages) if tok.chat_template else _chatml(messages)
+            text = tok.render_chat(messages, fallback=True)
         except HybridSparseError as e:
             raise APIError(400, str(e), "messages") from None
         prompt = tok.encode(text)
@@ -655,11 +652,6 @@ def _prompts(prompt, tok) -> list[list[int]]:
     if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
         return [one(p) for p in prompt]
     return [one(prompt)]
-
-
-def _chatml(messages: list[dict]) -> str:
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-    return ImmutableSandboxedEnvironment().from_string(CHATML).render(messages=messages, add_generation_prompt=True)
 
 
 def build_parser() -> argparse.ArgumentParser:

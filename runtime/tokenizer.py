@@ -140,17 +140,37 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special)
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The GGUF's chat template rendered in a jinja2 sandbox (as transformers does)."""
-        if not self.chat_template:
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, fallback: bool = False) -> str:
+        """The GGUF's chat template rendered in a jinja2 sandbox (as transformers does); without one,
+        where `fallback`, the format the vocabulary's turn tokens name (Gemma's, Llama 3's), else
+        ChatML (llama.cpp's fallback); without either an error."""
+        if not self.chat_template and not fallback:
             raise ModelError("this model has no tokenizer.chat_template; use a plain prompt")
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = _raise
-        template = env.from_string(self.chat_template)
+        known = set(self.tokens)
+        builtin = next((t for marks, t in BUILTIN_TEMPLATES if marks <= known), CHATML)
+        template = env.from_string(self.chat_template or builtin)
         bos = self.tokens[self.bos_id] if self.bos_id is not None else ""
         eos = self.tokens[self.eos_id] if self.eos_id is not None else ""
         return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                bos_token=bos, eos_token=eos)
+
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+# chat formats for GGUFs without tokenizer.chat_template, found by the turn tokens in the vocabulary
+GEMMA = ("{{ bos_token }}{% set sys = messages[0]['content'] + '\n\n' if messages and messages[0]['role'] == 'system' "
+         "else '' %}{% for m in messages if m['role'] != 'system' %}<start_of_turn>"
+         "{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n{{ sys if loop.first else '' }}{{ m['content'] }}"
+         "<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+LLAMA3 = ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+          "{{ m['content'] }}<|eot_id|>{% endfor %}"
+          "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
+BUILTIN_TEMPLATES = [({"<start_of_turn>", "<end_of_turn>"}, GEMMA),
+                     ({"<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"}, LLAMA3)]
 
 
 def _raise(message):

@@ -82,3 +82,43 @@ def test_hs_run_default_model_hybrid_dense_is_the_same_text():
     assert plain.returncode == 0 and hybrid.returncode == 0, hybrid.stderr
     assert "hybrid: dense mode" in hybrid.stderr
     assert hybrid.stdout == plain.stdout
+
+
+def test_next_turn_keeps_the_shared_prefix_and_gives_the_same_text(lm):
+    """keep_prefix: a conversation's second turn evaluates only the tokens after what the cache
+    already holds, and continues exactly as a fresh generator on the whole prompt does."""
+    tok, params = lm.tokenizer, SamplingParams(temperature=0)
+    turn1 = [{"role": "user", "content": "Name a color."}]
+    gen = Generator(lm.model, tok, 512)
+    reply = "".join(gen.generate(tok.encode(tok.render_chat(turn1, fallback=True)), 12, Sampler(params),
+                                 keep_prefix=True))
+    in_cache = len(gen.tokens)
+    turn2 = turn1 + [{"role": "assistant", "content": reply}, {"role": "user", "content": "Another one."}]
+    ids = tok.encode(tok.render_chat(turn2, fallback=True))
+    kept = "".join(gen.generate(ids, 16, Sampler(params), keep_prefix=True))
+    assert 0 < len(ids) - gen.timings.prompt_tokens <= in_cache  # the shared prefix was not evaluated again
+    assert gen.timings.prompt_tokens < len(ids) // 2
+    fresh = "".join(Generator(lm.model, tok, 512).generate(ids, 16, Sampler(params)))
+    assert kept == fresh and len(fresh) > 0
+
+
+def test_gemma_format_without_a_template_in_the_file(lm):
+    """The embedded GGUF has no tokenizer.chat_template: its vocabulary's turn tokens choose Gemma's
+    format (system text folded into the first user turn, assistant as 'model')."""
+    tok = lm.tokenizer
+    assert not tok.chat_template
+    text = tok.render_chat([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                            {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Bye"}],
+                           fallback=True)
+    assert text == ("<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\nHello!<end_of_turn>\n"
+                    "<start_of_turn>user\nBye<end_of_turn>\n<start_of_turn>model\n")
+
+
+def test_hs_run_conversation_reads_turns_from_stdin():
+    """-cnv: two user lines on stdin, two answers after '> ' prompts, timings summed over the turns;
+    the second turn's prompt eval covers only its new tokens."""
+    base = [sys.executable, "-m", "hybridsparse.runtime.cli", "-n", "8", "--temp", "0", "-t", "2"]
+    r = subprocess.run(base + ["-cnv", "-p", "Answer briefly."], input="Hello\nThanks\n", capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("> ") >= 3 and "2 turns" in r.stderr and "prompt eval time" in r.stderr
