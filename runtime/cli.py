@@ -115,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-graphs", action="store_true", help="do not capture CUDA graphs for decoding")
     ap.add_argument("-cnv", "--conversation", action="store_true",
                     help="chat: read user turns from stdin (one a line, after '> '), answer each through the "
-                    "model's chat template (ChatML without one), keeping the conversation's KV cache; -p / -f "
+                    "model's chat template (without one, Gemma's / Llama 3's by the vocabulary, else ChatML), keeping the conversation's KV cache; -p / -f "
                     "is then the system prompt; EOF ends it")
     add_hybrid_args(ap)
     return ap
@@ -240,10 +240,10 @@ def _conversation(args, lm, gen, sampler, system: str | None) -> int:
     """-cnv: each user line becomes a turn; the whole conversation is rendered through the chat
     template again, and the generator keeps the cached positions it shares with the last turn, so a
     turn evaluates only its new tokens."""
+    from .generate import Timings
     tok = lm.tokenizer
     messages = [{"role": "system", "content": system}] if system else []
     stop = list(args.stop)
-    from .generate import Timings
     total = Timings()
     while True:
         sys.stdout.write("\n> ")
