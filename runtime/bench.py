@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .cli import add_model_args, default_threads, run_main
+from .cli import add_model_args, cache_dtype, default_threads, run_main
 from .errors import InputError
 
 # The environment switches that change what the runtime computes or how fast (the README's table),
@@ -90,11 +90,11 @@ class HSRunner:
     engine = "hybridsparse"
 
     def __init__(self, model_path, threads: int, n_gpu_layers: int, prompt_tokens: int, n_gen: int,
-                 graphs: bool = True):
+                 graphs: bool = True, cache: torch.dtype = torch.float16):
         from .generate import Generator
         from .loader import open_model
         torch.set_num_threads(threads)
-        self.lm = lm = open_model(model_path, n_gpu_layers, cache_dtype=torch.float16)  # hs-run's -ctk/-ctv
+        self.lm = lm = open_model(model_path, n_gpu_layers, cache_dtype=cache)
         base = lm.tokenizer.encode("Once upon a time")
         self.prompt = (base * (prompt_tokens // len(base) + 1))[:prompt_tokens]
         self.n_gen, self.threads, self.graphs = n_gen, threads, graphs
@@ -199,24 +199,25 @@ def _hybrid_args(model, threads: int, budgets: str, n_predict: int, prompt_token
 
 
 def _run(args) -> int:
+    cache = cache_dtype(args)
     if args.vram_budget is not None:  # the four engines side by side, each in its own process
         return _hybrid(_hybrid_args(args.model, args.threads, str(args.vram_budget), args.n_predict,
                                     args.prompt_tokens, args.reps, args.mode, args.no_cpu_only, args.timeout,
-                                    args.json))
+                                    args.json, cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v))
     from .loader import default_model_path
     model = Path(args.model) if args.model else default_model_path()
     if args.n_gpu_layers is None:
         args.n_gpu_layers = -1
     device = "cuda" if torch.cuda.is_available() and args.n_gpu_layers != 0 else "cpu"
     result = {"machine": machine(), "prompt_tokens": args.prompt_tokens, "generated_tokens": args.n_predict,
-              "reps": args.reps, "results": []}
+              "reps": args.reps, "kv_cache_cpu": str(cache).removeprefix("torch."), "results": []}
     result["machine"]["cpu_read_bandwidth_gib_s"] = round(measure_bandwidth_gib_s("cpu"), 1)
     if device == "cuda":
         result["machine"]["gpu_read_bandwidth_gib_s"] = round(measure_bandwidth_gib_s("cuda"), 1)
-    runners = [HSRunner(model, args.threads, args.n_gpu_layers, args.prompt_tokens, args.n_predict)]
+    runners = [HSRunner(model, args.threads, args.n_gpu_layers, args.prompt_tokens, args.n_predict, cache=cache)]
     if args.compare_graphs and device == "cuda":
         runners.append(HSRunner(model, args.threads, args.n_gpu_layers, args.prompt_tokens, args.n_predict,
-                                graphs=False))
+                                graphs=False, cache=cache))
     if args.llama_cpp:
         try:
             runners.append(LlamaCppRunner(model, args.threads, args.n_gpu_layers if device == "cuda" else 0,
@@ -357,6 +358,7 @@ def _hybrid(args) -> int:
         configs += [{"engine": "hybrid", "vram_budget": 0.0}, {"engine": "layer split", "vram_budget": 0.0, "ngl": 0}]
     for cfg in configs:
         cfg.update(model=str(model), threads=args.threads, n_predict=args.n_predict, mode=args.mode,
+                   cache_type=str(cache_dtype(args)).removeprefix("torch."),
                    ctx_size=args.ctx_size, prompt_tokens=args.prompt_tokens, reps=args.reps, cpu_bw=m["cpu_read_bandwidth_gib_s"],
                    gpu_bw=m.get("gpu_read_bandwidth_gib_s", 0.0))
         with _GpuMemoryPoller() as poll:
@@ -476,14 +478,14 @@ def _hybrid_one(cfg: dict) -> dict:
     from .sampling import Sampler, SamplingParams
     from hybridsparse.solver.plan import GiB, Hardware
     torch.set_num_threads(cfg["threads"])
+    cache = getattr(torch, cfg.get("cache_type", "float16"))  # the CPU layers' KV cache (-ctk/-ctv)
     t0 = time.perf_counter()
     if cfg["engine"] == "hybrid":
         hw = Hardware(cfg["gpu_bw"] * GiB or 800 * GiB, cfg["cpu_bw"] * GiB, 20e-6)
         opts = HybridOptions(vram_budget=cfg["vram_budget"], mode=cfg["mode"], n_ctx=cfg["ctx_size"], hardware=hw)
-        lm = open_model(cfg["model"], hybrid=opts, log_line=lambda line: print(line, file=sys.stderr),
-                        cache_dtype=torch.float16)
+        lm = open_model(cfg["model"], hybrid=opts, log_line=lambda line: print(line, file=sys.stderr), cache_dtype=cache)
     else:
-        lm = open_model(cfg["model"], cfg["ngl"], cache_dtype=torch.float16)
+        lm = open_model(cfg["model"], cfg["ngl"], cache_dtype=cache)
     load_s = time.perf_counter() - t0
     n_prompt = cfg.get("prompt_tokens", 8)
     base = lm.tokenizer.encode("Once upon a time")

@@ -49,8 +49,9 @@ CACHE_TYPES = {"f16": torch.float16, "f32": torch.float32}
 
 
 def cache_dtype(args) -> torch.dtype:
-    """-ctk / -ctv as one torch dtype (the CPU attention keeps keys and values in one type)."""
-    k, v = getattr(args, "cache_type_k", "f32"), getattr(args, "cache_type_v", "f32")
+    """-ctk / -ctv as one torch dtype (the CPU attention keeps keys and values in one type); commands
+    without the flags (hs-bench hybrid) get their default."""
+    k, v = getattr(args, "cache_type_k", "f16"), getattr(args, "cache_type_v", "f16")
     if k != v:
         raise InputError(f"-ctk {k} -ctv {v}: keys and values must have one cache type here (f16 or f32 for both)")
     return CACHE_TYPES[k]

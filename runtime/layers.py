@@ -251,7 +251,7 @@ def lazy_zeros(shape: tuple[int, ...], device, dtype) -> torch.Tensor:
     2 MiB of each head's slice)."""
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, device=device, dtype=dtype)
-    n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    n = math.prod(shape) * dtype.itemsize
     if n == 0:
         return torch.zeros(shape, dtype=dtype)
     return torch.frombuffer(mmap.mmap(-1, n), dtype=dtype).view(shape)  # the tensor keeps the mapping

@@ -158,6 +158,18 @@ def test_bad_input_is_one_clear_error(tmp_path, capsys):
         assert f"argument {flag}: {value!r}" in err and expected in err
 
 
+def test_run_benchmark_takes_the_kv_cache_type(tmp_path):
+    """hs-bench run passes -ctk/-ctv to the engine it loads (it parsed them and used float16 before)."""
+    import json
+    from tiny_models import tiny_llama
+    model = tiny_llama(tmp_path / "tiny.gguf")
+    for flag, expect in (("f32", "float32"), ("f16", "float16")):
+        out = tmp_path / f"{flag}.json"
+        assert bench.main(["run", "-m", str(model), "-t", "1", "-n", "4", "--reps", "1", "-ngl", "0",
+                           "-ctk", flag, "-ctv", flag, "--json", str(out)]) == 0
+        assert json.loads(out.read_text())["kv_cache_cpu"] == expect
+
+
 def test_kernel_benchmark_takes_types_and_shapes_in_any_case(tmp_path):
     out = tmp_path / "k.json"
     assert bench.main(["kernels", "-t", "1", "--shapes", "LLAMA-2-7B", "--types", "q8_0,f16", "--densities", "0.01",
