@@ -159,8 +159,7 @@ class Generator:
             limit = min(len(prompt) - 1, self.n_past)
             while kept < limit and self.tokens[kept] == prompt[kept]:
                 kept += 1
-        self.n_past = kept
-        del self.tokens[kept:]
+        self.n_past = kept  # eval drops what the cache held beyond it
         t = self.timings = Timings(prompt_tokens=len(prompt) - kept)
         start = time.perf_counter()
         logits = self.eval(prompt[kept:])
