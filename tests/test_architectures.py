@@ -223,6 +223,34 @@ def test_cpu_attention_op_over_a_float32_or_float16_cache(cache_dtype, tokens, w
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("hq,hkv,d,window", [(8, 1, 64, None), (8, 1, 64, 700), (6, 2, 64, 1200), (4, 4, 40, None)])
+def test_cpu_decode_attention_splits_a_long_cache_across_threads(cache_dtype, hq, hkv, d, window):
+    """One token over a long cache with fewer (token, key/value head) pairs than threads: the compiled
+    op splits the positions into spans and merges their softmax sums (a window leaves the first span
+    empty); grouped query heads read each cache row once. Against the eager reference."""
+    from hybridsparse.runtime import kernels
+    from hybridsparse.runtime.layers import Step, attend_reference
+    if not kernels.available():
+        pytest.skip("compiled kernels not built")
+    g = torch.Generator().manual_seed(hq * 100 + d)
+    past = 3000
+    cache = KVCache(hkv, d, past + 8, "cpu", cache_dtype)
+    cache.k[:, :past] = torch.randn(hkv, past, d, generator=g).to(cache_dtype)
+    cache.v[:, :past] = torch.randn(hkv, past, d, generator=g).to(cache_dtype)
+    q, k, v = (torch.randn(1, h, d, generator=g) for h in (hq, hkv, hkv))
+    step = Step(torch.tensor([past]), past + 1)
+    ref_cache = types.SimpleNamespace(k=cache.k.float().clone(), v=cache.v.float().clone())
+    ref = attend_reference(q, k.to(cache_dtype).float(), v.to(cache_dtype).float(), ref_cache, step, window, d ** -0.5)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(4)  # more threads than pairs, whatever the machine
+        out = kernels.cpu.attention(q, k, v, cache.k, cache.v, step.positions, step.kv_len, window or 0, d ** -0.5)
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(out, ref.reshape(out.shape), atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
 def test_cpu_prompt_attention_over_a_long_cache_takes_the_gemm_path(cache_dtype):
     """A prompt's tokens over a long cache go through batched GEMMs (layers.attend's switch): the
     same output and the same cache contents as the compiled op, windowed and not."""
