@@ -55,100 +55,41 @@ inline void cache_axpy(float s, const float* v, float* o, int64_t D) { axpy_f32(
 inline void cache_axpy(float s, const uint16_t* v, float* o, int64_t D) { axpy_f16(s, v, o, D); }
 
 #ifdef HS_X86
-// 16 cache values as float32
-HS_AVX512 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-HS_AVX512 inline __m512 load16(const uint16_t* p) {
+namespace att_avx512 {  // 16 floats a register
+using vf = __m512;
+constexpr int64_t VW = 16;
+#define HS_ISA_TARGET HS_AVX512
+HS_ISA_TARGET inline vf vzero() { return _mm512_setzero_ps(); }
+HS_ISA_TARGET inline vf vset1(float v) { return _mm512_set1_ps(v); }
+HS_ISA_TARGET inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
+HS_ISA_TARGET inline vf vload(const uint16_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
+HS_ISA_TARGET inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+HS_ISA_TARGET inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
+HS_ISA_TARGET inline void vstore(float* p, vf v) { _mm512_storeu_ps(p, v); }
+HS_ISA_TARGET inline float vsum(vf v) { return _mm512_reduce_add_ps(v); }
+#include "cpu_attention_isa.h"
+#undef HS_ISA_TARGET
+}  // namespace att_avx512
 
-// scores[g * ld + s] = scale * (q_g . k_s) for the gn query heads q (D apart) and the n cache rows k
-// (D % 16 == 0, gn <= 8): each row converted once for every head of the group; R rows at a time so
-// that a small group still has R * gn independent sums in flight (one sum a row waited on its own
-// multiply-adds: a plain multi-head cache ran 1.5x slower than row by row)
-template <int R, typename C>
-HS_AVX512 void group_scores_rows(const float* q, int64_t gn, const C* k, int64_t n, int64_t D, float scale,
-                                 float* scores, int64_t ld) {
-  int64_t s = 0;
-  for (; s + R <= n; s += R) {
-    __m512 acc[R][8];
-    for (int r = 0; r < R; ++r)
-      for (int64_t g = 0; g < gn; ++g) acc[r][g] = _mm512_setzero_ps();
-    for (int64_t c = 0; c < D; c += 16)
-      for (int r = 0; r < R; ++r) {
-        const __m512 kv = load16(k + (s + r) * D + c);
-        for (int64_t g = 0; g < gn; ++g) acc[r][g] = _mm512_fmadd_ps(kv, _mm512_loadu_ps(q + g * D + c), acc[r][g]);
-      }
-    for (int r = 0; r < R; ++r)
-      for (int64_t g = 0; g < gn; ++g) scores[g * ld + s + r] = _mm512_reduce_add_ps(acc[r][g]) * scale;
-  }
-  if (s < n) group_scores_rows<1>(q, gn, k + s * D, n - s, D, scale, scores + s, ld);
+namespace att_avx2 {  // 8 floats a register: CPUs without AVX-512 (most desktop Intel cores, Zen 1-3)
+using vf = __m256;
+constexpr int64_t VW = 8;
+#define HS_ISA_TARGET HS_AVX2
+HS_ISA_TARGET inline vf vzero() { return _mm256_setzero_ps(); }
+HS_ISA_TARGET inline vf vset1(float v) { return _mm256_set1_ps(v); }
+HS_ISA_TARGET inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
+HS_ISA_TARGET inline vf vload(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
-
-template <typename C>
-HS_AVX512 void group_scores_avx512(const float* q, int64_t gn, const C* k, int64_t n, int64_t D, float scale,
-                                   float* scores, int64_t ld) {
-  if (gn == 1) group_scores_rows<4>(q, gn, k, n, D, scale, scores, ld);
-  else if (gn == 2) group_scores_rows<2>(q, gn, k, n, D, scale, scores, ld);
-  else group_scores_rows<1>(q, gn, k, n, D, scale, scores, ld);
-}
-
-// out[g * D + d] += sum_s p[g * ld + s] * v_s[d] for the gn heads (D % 16 == 0, gn <= 8): Z * 16
-// columns at a time, the heads' sums in registers across the rows, each row's values converted once,
-// two rows a step into two sets of sums where the group is small (more sums in flight)
-template <int Z, int U, typename C>
-HS_AVX512 void group_values_block(const float* p, int64_t ld, int64_t gn, const C* v, int64_t n, int64_t D,
-                                  float* out) {
-  for (int64_t c = 0; c < D; c += 16 * Z) {
-    const int z_n = static_cast<int>(std::min<int64_t>(Z, (D - c) / 16));
-    __m512 o[U][8][Z];
-    for (int u = 0; u < U; ++u)
-      for (int64_t g = 0; g < gn; ++g)
-        for (int z = 0; z < Z; ++z) o[u][g][z] = _mm512_setzero_ps();
-    for (int64_t s = 0; s < n; s += U)
-      for (int u = 0; u < U && s + u < n; ++u) {
-        const int64_t r = s + u;
-        const C* vr = v + r * D + c;
-        __m512 vz[Z];
-        for (int z = 0; z < Z; ++z) vz[z] = z < z_n ? load16(vr + 16 * z) : _mm512_setzero_ps();
-        for (int64_t g = 0; g < gn; ++g) {
-          const __m512 w = _mm512_set1_ps(p[g * ld + r]);
-          for (int z = 0; z < Z; ++z) o[u][g][z] = _mm512_fmadd_ps(w, vz[z], o[u][g][z]);
-        }
-      }
-    for (int64_t g = 0; g < gn; ++g)
-      for (int z = 0; z < z_n; ++z) {
-        __m512 sum = o[0][g][z];
-        for (int u = 1; u < U; ++u) sum = _mm512_add_ps(sum, o[u][g][z]);
-        float* og = out + g * D + c + 16 * z;
-        _mm512_storeu_ps(og, _mm512_add_ps(_mm512_loadu_ps(og), sum));
-      }
-  }
-}
-
-
-template <int Z, int U, typename C>
-HS_AVX512 void group_values_cols(const float* p, int64_t ld, int64_t gn, const C* v, int64_t n, int64_t D,
-                                 float* out) {
-  constexpr int64_t RB = 32;  // rows per block: its values stay in L1 for the column passes after the first
-  for (int64_t s0 = 0; s0 < n; s0 += RB) {
-    const int64_t rn = std::min(RB, n - s0);
-    group_values_block<Z, U>(p + s0, ld, gn, v + s0 * D, rn, D, out);
-  }
-}
-
-template <typename C>
-HS_AVX512 void group_values_avx512(const float* p, int64_t ld, int64_t gn, const C* v, int64_t n, int64_t D,
-                                   float* out) {
-  if (gn == 1) group_values_cols<4, 2>(p, ld, gn, v, n, D, out);
-  else if (gn == 2) group_values_cols<2, 2>(p, ld, gn, v, n, D, out);
-  else if (gn <= 4) group_values_cols<2, 1>(p, ld, gn, v, n, D, out);
-  else group_values_cols<1, 1>(p, ld, gn, v, n, D, out);
-}
-#else  // never called off x86 (attend_cached's `vector` is false there)
-template <typename C>
-void group_scores_avx512(const float*, int64_t, const C*, int64_t, int64_t, float, float*, int64_t) {}
-template <typename C>
-void group_values_avx512(const float*, int64_t, int64_t, const C*, int64_t, int64_t, float*) {}
+HS_ISA_TARGET inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+HS_ISA_TARGET inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
+HS_ISA_TARGET inline void vstore(float* p, vf v) { _mm256_storeu_ps(p, v); }
+HS_ISA_TARGET inline float vsum(vf v) { return hsum(v); }
+#include "cpu_attention_isa.h"
+#undef HS_ISA_TARGET
+}  // namespace att_avx2
 #endif
 
 // The query heads of one key/value head together (grouped-query attention: Llama 3, Mistral, Qwen,
@@ -156,11 +97,11 @@ void group_values_avx512(const float*, int64_t, int64_t, const C*, int64_t, int6
 // query head (a long cache of one key/value head is ~1 MiB at 4k positions, past L2). Work items are
 // (token, key/value head, span of positions); spans (flash-decoding's split, when there are fewer
 // (token, head) pairs than threads) keep each one's maximum, total and unnormalized output and are
-// merged at the end. With AVX-512 and head_dim a multiple of 16 the group's dots and sums run in
-// registers (group_scores_avx512 / group_values_avx512). Dev VM (Zen 4), 2 threads, one token over
+// merged at the end. With AVX-512 (AVX2) and head_dim a multiple of 16 (8) a group's dots and sums run
+// in registers (csrc/cpu_attention_isa.h). Dev VM (Zen 4), 2 threads, one token over
 // 4000 float16 positions, old / new build alternating: Llama-3-8B's heads (32 over 8, 128 wide)
-// 1.35-1.43 -> 0.92-0.96 ms a layer, Gemma 3 270M's (4 over 1, 256 wide) 0.26 -> 0.17-0.22 ms; 32
-// heads over 32 stay memory-bound (2.0-2.6 ms either way: 65 MB a layer).
+// 1.34-1.35 -> 0.89-0.91 ms a layer (AVX2 path 0.98), Gemma 3 270M's (4 over 1, 256 wide) 0.26 -> 0.17
+// (AVX2 0.20); 32 heads over 32 (row by row, memory-bound: 65 MB a layer) 2.0-2.2 ms either way.
 constexpr int64_t ATT_MAX_GROUP = 8;  // query heads per key/value head handled in one pass
 constexpr int64_t ATT_SPAN_MIN = 512;  // positions per span at least
 
@@ -180,10 +121,10 @@ void attend_cached(const float* qp, const C* kcp, const C* vcp, const int64_t* p
   // per (pair, span, head of the pass): maximum, total, unnormalized output (spans > 1 only)
   std::vector<float> part_ml(spans > 1 ? pairs * spans * G * 2 : 0), part_o(spans > 1 ? pairs * spans * G * D : 0);
   const int64_t grain = work < (1 << 20) ? pairs * spans : 1;
-#ifdef HS_X86
-  const bool vector = D % 16 == 0 && cpu_has_avx512();
+#ifdef HS_X86  // the vector kernels: AVX-512 for head sizes a multiple of 16, AVX2 for multiples of 8
+  const int isa = D % 16 == 0 && cpu_has_avx512() ? 512 : (D % 8 == 0 && cpu_has_avx2() ? 256 : 0);
 #else
-  const bool vector = false;
+  const int isa = 0;
 #endif
   at::parallel_for(0, pairs * spans, grain, [&](int64_t b, int64_t e) {
     std::vector<float> scores(G * span_len);
@@ -207,8 +148,11 @@ void attend_cached(const float* qp, const C* kcp, const C* vcp, const int64_t* p
       const float* qv = qp + (t * Hq + h0) * D;
       const C* kspan = kcp + (hk * n_ctx + first) * D;
       const C* vspan = vcp + (hk * n_ctx + first) * D;
-      if (vector) {
-        group_scores_avx512(qv, g_n, kspan, n, D, static_cast<float>(scale), scores.data(), n);
+      if (isa && g_n > 1) {
+#ifdef HS_X86
+        if (isa == 512) att_avx512::group_scores(qv, g_n, kspan, n, D, static_cast<float>(scale), scores.data(), n);
+        else att_avx2::group_scores(qv, g_n, kspan, n, D, static_cast<float>(scale), scores.data(), n);
+#endif
       } else {
         for (int64_t s = 0; s < n; ++s)  // each key row once for the pass's query heads
           for (int64_t g = 0; g < g_n; ++g) scores[g * n + s] = cache_dot(qv + g * D, kspan + s * D, D) * static_cast<float>(scale);
@@ -220,8 +164,11 @@ void attend_cached(const float* qp, const C* kcp, const C* vcp, const int64_t* p
         sum[g] = 0.f;
         for (int64_t s = 0; s < n; ++s) sum[g] += (sc[s] = std::exp(sc[s] - mx[g]));
       }
-      if (vector) {
-        group_values_avx512(scores.data(), n, g_n, vspan, n, D, o);
+      if (isa && g_n > 1) {
+#ifdef HS_X86
+        if (isa == 512) att_avx512::group_values(scores.data(), n, g_n, vspan, n, D, o);
+        else att_avx2::group_values(scores.data(), n, g_n, vspan, n, D, o);
+#endif
       } else {
         for (int64_t s = 0; s < n; ++s)  // each value row once likewise
           for (int64_t g = 0; g < g_n; ++g) cache_axpy(scores[g * n + s], vspan + s * D, o + g * D, D);

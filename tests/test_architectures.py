@@ -271,3 +271,25 @@ def test_cpu_prompt_attention_over_a_long_cache_takes_the_gemm_path(cache_dtype)
         op = kernels.cpu.attention(q, k, v, b.k, b.v, step.positions, step.kv_len, window or 0, 0.125)
         torch.testing.assert_close(out, op, atol=2e-5, rtol=1e-4)
         assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v)
+
+
+@pytest.mark.parametrize("path", ["avx2", "scalar"])
+def test_cpu_attention_on_the_other_cpu_paths(path):
+    """The attention tests above rerun in a process forced onto the AVX2 path (desktop CPUs without
+    AVX-512: grouped heads in 256-bit registers) and the portable path."""
+    import os
+    import platform
+    import subprocess
+    import sys
+    from pathlib import Path
+    from hybridsparse.runtime import kernels
+    if not kernels.available():
+        pytest.skip("compiled kernels not built")
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("x86 only")
+    here = Path(__file__).parent
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(here / "test_architectures.py"),
+                        "-k", "cpu_attention_op or splits_a_long_cache"], capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "HS_CPU_PATH": path}, cwd=here.parent)
+    assert r.returncode == 0, r.stdout[-3000:]
+    assert " passed" in r.stdout and " failed" not in r.stdout
