@@ -65,7 +65,13 @@ constexpr int ATT_MAX_D = 256;
 constexpr int ATT_MAX_KV = 8192;  // the graph buckets' largest cache length (runtime/layers.py)
 constexpr int ATT_WARPS = 4;      // warps per attention block
 constexpr int ATT_MAX_CHUNK = 64; // cache positions per block (split-KV, "flash decoding")
-constexpr int ATT_UNROLL = 4;     // cache rows a warp loads before it reduces their dots
+// Cache rows a warp loads before it reduces their dots (KU), and rows of V a thread loads before it
+// adds them in (VU): with 8 and 16 a 32-position chunk's rows are one round of memory latency each.
+// At a few hundred positions the kernel waits on latency, not bandwidth (a 7B layer's K and V at 256
+// positions are 4 MiB, ~1.5 us of HBM time; it took ~13 us with 4 and 4, two and eight rounds).
+// HS_CUDA_ATT_UNROLL=0: 4 and 4, for side-by-side measurements.
+constexpr int ATT_UNROLL = 8;
+constexpr int ATT_V_UNROLL = 16;
 
 // this lane's share of q . k for one cache row: lanes over head_dim, so a warp reads a row with
 // consecutive loads
@@ -102,7 +108,7 @@ __device__ __forceinline__ float lane_dot(const float* kr, const float* qs, int 
 // head_dim). With one chunk the block writes the output; with several it writes (sum, max, total)
 // for attention_combine_kernel. One block per head left most of the GPU idle: ~24 us per layer of a
 // 7B decode step at a 256-position cache.
-template <typename C>
+template <typename C, int KU, int VU>
 __global__ void __launch_bounds__(32 * ATT_WARPS)
 attention_kernel(const float* q, int64_t sqt, int64_t sqh, const C* kc, const C* vc, const int64_t* pos,
                  int Hq, int group, int64_t n_ctx, int D, int64_t kv_len, int64_t window, float scale, int chunk,
@@ -134,15 +140,15 @@ attention_kernel(const float* q, int64_t sqt, int64_t sqh, const C* kc, const C*
   const C* kbase = kc + (static_cast<int64_t>(hk) * n_ctx + c0) * D;
   const C* vbase = vc + (static_cast<int64_t>(hk) * n_ctx + c0) * D;
   __syncthreads();
-  for (int i0 = warp; i0 < n; i0 += ATT_WARPS * ATT_UNROLL) {
-    float part[ATT_UNROLL];
+  for (int i0 = warp; i0 < n; i0 += ATT_WARPS * KU) {
+    float part[KU];
 #pragma unroll
-    for (int u = 0; u < ATT_UNROLL; ++u) {
+    for (int u = 0; u < KU; ++u) {
       const int i = i0 + u * ATT_WARPS;
       part[u] = i < n ? lane_dot(kbase + static_cast<int64_t>(i) * D, qs, D, lane) : 0.f;
     }
 #pragma unroll
-    for (int u = 0; u < ATT_UNROLL; ++u) {
+    for (int u = 0; u < KU; ++u) {
       const float v = warp_sum(part[u]);
       const int i = i0 + u * ATT_WARPS;
       if (lane == 0 && i < n) scores[i] = v;
@@ -162,6 +168,13 @@ attention_kernel(const float* q, int64_t sqt, int64_t sqh, const C* kc, const C*
   for (int d = tid; d < D; d += blockDim.x) {
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
     int i = 0;
+    for (; i + VU <= n; i += VU) {  // the loads first, all in flight at once
+      float vv[VU];
+#pragma unroll
+      for (int j = 0; j < VU; ++j) vv[j] = to_f(vbase[static_cast<int64_t>(i + j) * D + d]);
+#pragma unroll
+      for (int j = 0; j < VU; ++j) acc[j % 4] += scores[i + j] * vv[j];
+    }
     for (; i + 4 <= n; i += 4)
 #pragma unroll
       for (int j = 0; j < 4; ++j) acc[j] += scores[i + j] * to_f(vbase[static_cast<int64_t>(i + j) * D + d]);
@@ -309,14 +322,15 @@ void launch_attention(const float* q, int64_t sqt, int64_t sqh, const void* kc, 
                       int64_t window, float scale, float* out, float* part_o, float* part_ml, cudaStream_t stream) {
   const int chunk = attention_chunk(T, Hq, kv_len), n_chunks = attention_chunks(T, Hq, kv_len);
   const dim3 grid(static_cast<unsigned>(T * Hq), static_cast<unsigned>(n_chunks)), block(32 * ATT_WARPS);
+  const bool unrolled = !env_off("HS_CUDA_ATT_UNROLL");
   if (half_cache)
-    launch(attention_kernel<__half>, grid, block, 0, stream, q, sqt, sqh, static_cast<const __half*>(kc),
-           static_cast<const __half*>(vc), pos, Hq, Hq / Hkv, n_ctx, D, kv_len, window, scale, chunk, n_chunks, out,
-           part_o, part_ml);
+    launch(unrolled ? attention_kernel<__half, ATT_UNROLL, ATT_V_UNROLL> : attention_kernel<__half, 4, 4>, grid, block,
+           0, stream, q, sqt, sqh, static_cast<const __half*>(kc), static_cast<const __half*>(vc), pos, Hq, Hq / Hkv,
+           n_ctx, D, kv_len, window, scale, chunk, n_chunks, out, part_o, part_ml);
   else
-    launch(attention_kernel<float>, grid, block, 0, stream, q, sqt, sqh, static_cast<const float*>(kc),
-           static_cast<const float*>(vc), pos, Hq, Hq / Hkv, n_ctx, D, kv_len, window, scale, chunk, n_chunks, out,
-           part_o, part_ml);
+    launch(unrolled ? attention_kernel<float, ATT_UNROLL, ATT_V_UNROLL> : attention_kernel<float, 4, 4>, grid, block,
+           0, stream, q, sqt, sqh, static_cast<const float*>(kc), static_cast<const float*>(vc), pos, Hq, Hq / Hkv,
+           n_ctx, D, kv_len, window, scale, chunk, n_chunks, out, part_o, part_ml);
   if (n_chunks > 1)
     launch(attention_combine_kernel, dim3(static_cast<unsigned>(T * Hq)), dim3(D <= 128 ? 128 : 256), 0, stream,
            part_o, part_ml, n_chunks, D, out);

@@ -18,6 +18,8 @@
 #   s2ab: S2's step with two- / one-plane activations and the polled hand-over, alternating
 #   pdltests: the layer / sparse-op / model GPU tests with programmatic dependent launch on (HS_CUDA_PDL=1)
 #   pdl: a 7B-shaped F16 model all on the GPU and the CUDA kernels, with it off and on alternately
+#   att: a 7B-shaped F16 model all on the GPU with the attention kernel's old and new unrolling, alternately,
+#   then where its decode step's time goes (tests/gpu/profile_decode.py)
 #   kq8: the Q8_0 row-dot as it is and staged against x in two planes (HS_CUDA_STAGED_Q8=1), side by side
 set -uo pipefail
 OUT=${OUT:-gpu-results}
@@ -155,6 +157,15 @@ for pdl in 0 1; do
   HS_CUDA_PDL=$pdl hs-bench kernels --device cuda --types F16,Q4_0 --shapes llama-2-7b,llama-2-70b --densities 1.0,0.1 \
     --reps 3 --json "$OUT/kernels-cuda-pdl$pdl.json" 2>&1 | tail -9
 done
+fi
+if [[ $STAGES == *,att,* ]]; then  # the attention kernel's loads in flight: 4/4 rows (HS_CUDA_ATT_UNROLL=0) vs 8/16, alternating
+M7=/dev/shm/relu-llama-2-7b-f16.gguf
+[ -f $M7 ] || hs-bench synth --shape llama-7b --dtype f16 -o /dev/shm 2>&1 | tail -1
+for v in ${HS_ATT_RUNS:-0 1 0 1}; do
+  echo "HS_CUDA_ATT_UNROLL=$v"
+  HS_CUDA_ATT_UNROLL=$v hs-bench run -m $M7 --reps 3 --json "$OUT/bench_7b_att$v.json" 2>&1 | tail -2
+done
+python3 tests/gpu/profile_decode.py $M7 2>&1 | tee "$OUT/profile_llama7b.txt" | tail -30
 fi
 if [[ $STAGES == *,kq8,* ]]; then  # Q8_0 rows: half-blocks against float x, then staged against x in two planes
 for v in 0 1; do
