@@ -67,8 +67,16 @@ HS_ISA_TARGET inline vf vload(const uint16_t* p) {
 }
 HS_ISA_TARGET inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 HS_ISA_TARGET inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
+HS_ISA_TARGET inline vf vsub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+HS_ISA_TARGET inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
 HS_ISA_TARGET inline void vstore(float* p, vf v) { _mm512_storeu_ps(p, v); }
 HS_ISA_TARGET inline float vsum(vf v) { return _mm512_reduce_add_ps(v); }
+HS_ISA_TARGET inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
+HS_ISA_TARGET inline float vmaxall(vf v) { return _mm512_reduce_max_ps(v); }
+HS_ISA_TARGET inline vf vfloor(vf v) { return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
+HS_ISA_TARGET inline vf vpow2i(vf n) {  // 2^n for whole n in [-126, 127]
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
+}
 #include "cpu_attention_isa.h"
 #undef HS_ISA_TARGET
 }  // namespace att_avx512
@@ -85,8 +93,20 @@ HS_ISA_TARGET inline vf vload(const uint16_t* p) {
 }
 HS_ISA_TARGET inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
 HS_ISA_TARGET inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
+HS_ISA_TARGET inline vf vsub(vf a, vf b) { return _mm256_sub_ps(a, b); }
+HS_ISA_TARGET inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
 HS_ISA_TARGET inline void vstore(float* p, vf v) { _mm256_storeu_ps(p, v); }
 HS_ISA_TARGET inline float vsum(vf v) { return hsum(v); }
+HS_ISA_TARGET inline vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
+HS_ISA_TARGET inline float vmaxall(vf v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+HS_ISA_TARGET inline vf vfloor(vf v) { return _mm256_floor_ps(v); }
+HS_ISA_TARGET inline vf vpow2i(vf n) {  // 2^n for whole n in [-126, 127]
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
+}
 #include "cpu_attention_isa.h"
 #undef HS_ISA_TARGET
 }  // namespace att_avx2
@@ -98,10 +118,11 @@ HS_ISA_TARGET inline float vsum(vf v) { return hsum(v); }
 // (token, key/value head, span of positions); spans (flash-decoding's split, when there are fewer
 // (token, head) pairs than threads) keep each one's maximum, total and unnormalized output and are
 // merged at the end. With AVX-512 (AVX2) and head_dim a multiple of 16 (8) a group's dots and sums run
-// in registers (csrc/cpu_attention_isa.h). Dev VM (Zen 4), 2 threads, one token over
-// 4000 float16 positions, old / new build alternating: Llama-3-8B's heads (32 over 8, 128 wide)
-// 1.34-1.35 -> 0.89-0.91 ms a layer (AVX2 path 0.98), Gemma 3 270M's (4 over 1, 256 wide) 0.26 -> 0.17
-// (AVX2 0.20); 32 heads over 32 (row by row, memory-bound: 65 MB a layer) 2.0-2.2 ms either way.
+// in registers and the softmax's exponentials are vectorized (csrc/cpu_attention_isa.h). Dev VM (Zen 4),
+// 2 threads, one token, float16 cache, `hs-bench attention -t 2` (cache read from memory), before ->
+// after: Llama-3-8B's heads (32 over 8, 128 wide) at 4001 positions 1.57 -> 0.94-1.00 ms a layer, at
+// 257 0.21 -> 0.14-0.16; Gemma 3 270M's (4 over 1, 256 wide) at 4001 0.44 -> 0.31-0.32; 32 heads over
+// 32 (row by row, memory-bound) 2.2-2.3 ms either way.
 constexpr int64_t ATT_MAX_GROUP = 8;  // query heads per key/value head handled in one pass
 constexpr int64_t ATT_SPAN_MIN = 512;  // positions per span at least
 
@@ -150,8 +171,8 @@ void attend_cached(const float* qp, const C* kcp, const C* vcp, const int64_t* p
       const C* vspan = vcp + (hk * n_ctx + first) * D;
       if (isa && g_n > 1) {
 #ifdef HS_X86
-        if (isa == 512) att_avx512::group_scores(qv, g_n, kspan, n, D, static_cast<float>(scale), scores.data(), n);
-        else att_avx2::group_scores(qv, g_n, kspan, n, D, static_cast<float>(scale), scores.data(), n);
+        if (isa == 512) att_avx512::group_attend(g_n, qv, kspan, vspan, n, D, static_cast<float>(scale), scores.data(), o, false);
+        else att_avx2::group_attend(g_n, qv, kspan, vspan, n, D, static_cast<float>(scale), scores.data(), o, false);
 #endif
       } else {
         for (int64_t s = 0; s < n; ++s)  // each key row once for the pass's query heads
@@ -160,14 +181,24 @@ void attend_cached(const float* qp, const C* kcp, const C* vcp, const int64_t* p
       float mx[ATT_MAX_GROUP], sum[ATT_MAX_GROUP];
       for (int64_t g = 0; g < g_n; ++g) {
         float* sc = scores.data() + g * n;
+#ifdef HS_X86
+        if (isa == 512) {
+          att_avx512::softmax_unnormalized(sc, n, mx[g], sum[g]);
+          continue;
+        }
+        if (isa == 256) {
+          att_avx2::softmax_unnormalized(sc, n, mx[g], sum[g]);
+          continue;
+        }
+#endif
         mx[g] = *std::max_element(sc, sc + n);
         sum[g] = 0.f;
         for (int64_t s = 0; s < n; ++s) sum[g] += (sc[s] = std::exp(sc[s] - mx[g]));
       }
       if (isa && g_n > 1) {
 #ifdef HS_X86
-        if (isa == 512) att_avx512::group_values(scores.data(), n, g_n, vspan, n, D, o);
-        else att_avx2::group_values(scores.data(), n, g_n, vspan, n, D, o);
+        if (isa == 512) att_avx512::group_attend(g_n, qv, kspan, vspan, n, D, 0.f, scores.data(), o, true);
+        else att_avx2::group_attend(g_n, qv, kspan, vspan, n, D, 0.f, scores.data(), o, true);
 #endif
       } else {
         for (int64_t s = 0; s < n; ++s)  // each value row once likewise

@@ -732,6 +732,17 @@ def _random_weight(qtype, rows: int, cols: int) -> torch.Tensor:
     return raw.reshape(rows, -1)
 
 
+def _positive_ints(text: str) -> list[int]:
+    """argparse type: a comma-separated list of positive integers."""
+    try:
+        values = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a comma-separated list of positive integers")
+    return values
+
+
 def _time(f, reps: int, cuda: bool = False) -> float:
     """Median seconds per call; on the CPU each call after reading 256 MiB (more than any L3), so the
     rows come from memory. On the GPU the calls are captured in a CUDA graph (as the runtime
@@ -817,6 +828,48 @@ def _kernels(args) -> int:
                          f"{entry['torch_dense_gemv_gib_s']:7.1f}" if is_float else ""), flush=True)
     result = {"machine": {**machine(), "device": args.device, "read_bandwidth_gib_s": round(bw, 1)},
               "threads": args.threads, "results": rows_out}
+    print(f"read bandwidth {bw:.1f} GiB/s ({args.device}" + (f", {args.threads} threads)" if not cuda else ")"))
+    write_json(args.json, result)
+    return 0
+
+
+ATTENTION_SHAPES = {  # name: (query heads, key/value heads, head_dim) of real models
+    "llama-2-7b": (32, 32, 128), "llama-3-8b": (32, 8, 128), "llama-2-70b": (64, 8, 128),
+    "falcon-40b": (128, 8, 64), "gemma3-270m": (4, 1, 256),
+}
+
+
+def _attention(args) -> int:
+    """One decode token's attention (the k/v store and the softmax over the cache) as the runtime runs it
+    (layers.attend: the compiled op), next to torch's eager form, at several cache lengths: ms per
+    layer and GiB/s of the cache bytes it must read (k and v of every position up to the token)."""
+    from .layers import KVCache, Step, attend, attend_reference
+    torch.set_num_threads(args.threads)
+    cuda = args.device == "cuda"
+    if cuda and not torch.cuda.is_available():
+        raise SystemExit("hs-bench attention --device cuda: no CUDA device")
+    dev, dtype = torch.device(args.device), {"f16": torch.float16, "f32": torch.float32}[args.cache_type]
+    bw = measure_bandwidth_gib_s(args.device)
+    rows_out = []
+    for shape in args.shapes:
+        hq, hkv, d = ATTENTION_SHAPES[shape]
+        for n in args.positions:
+            cache = KVCache(hkv, d, n + 1, dev, dtype)
+            cache.k[:, :n] = torch.randn(hkv, n, d, device=dev).to(dtype)
+            cache.v[:, :n] = torch.randn(hkv, n, d, device=dev).to(dtype)
+            q, k, v = (torch.randn(1, h, d, device=dev) for h in (hq, hkv, hkv))
+            step = Step(torch.tensor([n], device=dev), n + 1)
+            t_op = _time(lambda: attend(q, k, v, cache, step, None, d ** -0.5), args.reps, cuda)
+            t_ref = _time(lambda: attend_reference(q, k, v, cache, step, None, d ** -0.5), args.reps, cuda)
+            gib = 2 * hkv * (n + 1) * d * cache.k.element_size() / 2**30
+            entry = {"shape": shape, "heads": hq, "kv_heads": hkv, "head_dim": d, "positions": n + 1,
+                     "ms": t_op * 1e3, "gib_s": gib / t_op, "of_bandwidth": gib / t_op / bw, "torch_ms": t_ref * 1e3}
+            rows_out.append(entry)
+            print(f"{shape:12s} {hq:3d}/{hkv:<3d} x {d:3d} {n + 1:6d} positions: {entry['ms']:8.3f} ms "
+                  f"{entry['gib_s']:7.1f} GiB/s ({entry['of_bandwidth']:4.0%})  torch {entry['torch_ms']:8.3f} ms",
+                  flush=True)
+    result = {"machine": {**machine(), "device": args.device, "read_bandwidth_gib_s": round(bw, 1)},
+              "threads": args.threads, "cache_type": args.cache_type, "results": rows_out}
     print(f"read bandwidth {bw:.1f} GiB/s ({args.device}" + (f", {args.threads} threads)" if not cuda else ")"))
     write_json(args.json, result)
     return 0
@@ -917,6 +970,19 @@ def build_parser() -> argparse.ArgumentParser:
     kern.add_argument("--json")
     kern.add_argument("--verbose", action="store_true")
     kern.set_defaults(func=_kernels)
+    att = sub.add_parser("attention", help="one decode token's attention over caches of several lengths: ms, "
+                         "GiB/s of the cache read, vs torch")
+    att.add_argument("-t", "--threads", type=int, default=default_threads())
+    att.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    att.add_argument("--shapes", default="llama-2-7b,llama-3-8b,gemma3-270m", type=_listed(ATTENTION_SHAPES, str.lower),
+                     help="comma-separated head layouts, of: " + ", ".join(ATTENTION_SHAPES))
+    att.add_argument("--positions", default="256,4000", type=_positive_ints,
+                     help="comma-separated cache lengths before the token")
+    att.add_argument("-ctk", "--cache-type", choices=["f16", "f32"], default="f16")
+    att.add_argument("--reps", type=int, default=20)
+    att.add_argument("--json")
+    att.add_argument("--verbose", action="store_true")
+    att.set_defaults(func=_attention)
     table = sub.add_parser("table", help="print a markdown table of `run` JSON files")
     table.add_argument("files", nargs="+")
     table.add_argument("--readme", help="also put the scenario table (files from `hs-bench scenario`) into this "

@@ -179,6 +179,24 @@ def test_kernel_benchmark_takes_types_and_shapes_in_any_case(tmp_path):
     assert [(r["shape"], r["type"]) for r in rows] == [("llama-2-7b", "Q8_0"), ("llama-2-7b", "F16")]
 
 
+def test_attention_benchmark_writes_json_and_checks_its_flags(tmp_path, capsys):
+    import json
+    out = tmp_path / "a.json"
+    assert bench.main(["attention", "-t", "1", "--shapes", "LLAMA-3-8B,gemma3-270m", "--positions", "40",
+                       "--reps", "1", "--json", str(out)]) == 0
+    d = json.loads(out.read_text())
+    assert d["cache_type"] == "f16" and [(r["shape"], r["positions"]) for r in d["results"]] == \
+        [("llama-3-8b", 41), ("gemma3-270m", 41)]
+    assert all(r["ms"] > 0 and r["torch_ms"] > 0 for r in d["results"])
+    capsys.readouterr()
+    for flag, value, expected in [("--positions", "0,3", "positive integers"), ("--shapes", "llama-9b", "llama-3-8b")]:
+        with pytest.raises(SystemExit) as exit_:
+            bench.main(["attention", flag, value])
+        assert exit_.value.code == 2
+        err = capsys.readouterr().err
+        assert f"argument {flag}: {value!r}" in err and expected in err
+
+
 def test_scenario_table_goes_into_the_readme(tmp_path):
     run = {"machine": {"cpu": "X", "gpu": "G", "cpu_threads_available": 16}, "model": "/m/relu-falcon-40b-f16.gguf",
            "mode": "predictor", "generated_tokens": 32, "threads": 16, "scenario": "S1: Falcon",
