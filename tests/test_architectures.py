@@ -251,17 +251,21 @@ def test_cpu_decode_attention_splits_a_long_cache_across_threads(cache_dtype, hq
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
-def test_cpu_prompt_attention_over_a_long_cache_takes_the_gemm_path(cache_dtype):
-    """A prompt's tokens over a long cache go through batched GEMMs (layers.attend's switch): the
-    same output and the same cache contents as the compiled op, windowed and not."""
+def test_cpu_prompt_attention_over_a_long_cache_takes_the_gemm_path(cache_dtype, monkeypatch):
+    """A prompt's tokens over a long multi-head cache go through batched GEMMs (layers.attend's
+    switch): the same output and the same cache contents as the compiled op, windowed and not.
+    Grouped heads stay with the op."""
     from hybridsparse.runtime import kernels, layers
     from hybridsparse.runtime.layers import Step, attend
     if not kernels.available():
         pytest.skip("compiled kernels not built")
+    calls = []
+    reference = layers.attend_reference
+    monkeypatch.setattr(layers, "attend_reference", lambda *a, **kw: calls.append(a[1].shape[1]) or reference(*a, **kw))
     g = torch.Generator().manual_seed(11)
-    T, past, hq, hkv, d = 32, 500, 8, 2, 64
+    T, past, hq, d = 32, 500, 8, 64
     assert T * hq * (past + T) * d >= layers.CPU_ATTENTION_GEMM_WORK and T >= layers.CPU_ATTENTION_GEMM_TOKENS
-    for window in (None, 100):
+    for window, hkv in ((None, 8), (100, 8), (None, 2)):
         a, b = KVCache(hkv, d, 600, "cpu", cache_dtype), KVCache(hkv, d, 600, "cpu", cache_dtype)
         a.k[:, :past] = b.k[:, :past] = torch.randn(hkv, past, d, generator=g).to(cache_dtype)
         a.v[:, :past] = b.v[:, :past] = torch.randn(hkv, past, d, generator=g).to(cache_dtype)
@@ -271,6 +275,7 @@ def test_cpu_prompt_attention_over_a_long_cache_takes_the_gemm_path(cache_dtype)
         op = kernels.cpu.attention(q, k, v, b.k, b.v, step.positions, step.kv_len, window or 0, 0.125)
         torch.testing.assert_close(out, op, atol=2e-5, rtol=1e-4)
         assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v)
+    assert calls == [8, 8]  # the two multi-head prompts, not the grouped one
 
 
 @pytest.mark.parametrize("path", ["avx2", "scalar"])
