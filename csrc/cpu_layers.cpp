@@ -122,115 +122,159 @@ HS_ISA_TARGET inline vf vpow2i(vf n) {  // 2^n for whole n in [-126, 127]
 // 2 threads, one token, float16 cache, `hs-bench attention -t 2` (cache read from memory), before ->
 // after: Llama-3-8B's heads (32 over 8, 128 wide) at 4001 positions 1.57 -> 0.94-1.00 ms a layer, at
 // 257 0.21 -> 0.14-0.16; Gemma 3 270M's (4 over 1, 256 wide) at 4001 0.44 -> 0.31-0.32; 32 heads over
-// 32 (row by row, memory-bound) 2.2-2.3 ms either way.
-constexpr int64_t ATT_MAX_GROUP = 8;  // query heads per key/value head handled in one pass
+// 32 (row by row, memory-bound) 2.2-2.3 ms either way. Prompts (passes of several tokens, below):
+// 512 tokens with Llama-2-7B's heads 24 ms a layer against torch's batched GEMMs' 52 (the op read each
+// row once per token and lost to them from 16 tokens before); see runtime/layers.py CPU_ATTENTION.
+constexpr int64_t ATT_MAX_GROUP = 8;  // query vectors handled in one pass over the rows
 constexpr int64_t ATT_SPAN_MIN = 512;  // positions per span at least
 
+// A pass: up to ATT_MAX_GROUP query vectors that read the same cache rows, i.e. `tt` tokens times `gq`
+// query heads of one key/value head. Several tokens of a prompt share a pass (each its own causal
+// limits; rows past a token's limit weigh zero for it), so a prompt reads each row once per pass, not
+// once per token.
 template <typename C>
 void attend_cached(const float* qp, const C* kcp, const C* vcp, const int64_t* pos, float* op, int64_t T, int64_t Hq,
                    int64_t group, int64_t D, int64_t n_ctx, int64_t kv_len, int64_t window, double scale) {
   const int64_t Hkv = Hq / group;
   const int64_t sub = (group + ATT_MAX_GROUP - 1) / ATT_MAX_GROUP;  // passes per group (very wide groups)
-  const int64_t G = (group + sub - 1) / sub;                        // query heads per pass
-  const int64_t pairs = T * Hkv * sub;
+  const int64_t gq = (group + sub - 1) / sub;                       // query heads per pass
+  const int64_t tt = std::max<int64_t>(1, std::min<int64_t>(T, ATT_MAX_GROUP / gq));  // tokens per pass
+  const int64_t tiles = (T + tt - 1) / tt;
+  const int64_t G = tt * gq;  // query vectors per pass
+  const int64_t passes = tiles * Hkv * sub;
   // a decode step over a short cache is a few microseconds of work: not worth waking the threads
   const int64_t work = T * Hq * kv_len * D;
   const int64_t threads = at::get_num_threads();
-  const int64_t spans = work < (1 << 20) || pairs >= threads ? 1
-                        : std::max<int64_t>(1, std::min<int64_t>((threads + pairs - 1) / pairs, kv_len / ATT_SPAN_MIN));
+  const int64_t spans = work < (1 << 20) || passes >= threads ? 1
+                        : std::max<int64_t>(1, std::min<int64_t>((threads + passes - 1) / passes, kv_len / ATT_SPAN_MIN));
   const int64_t span_len = (kv_len + spans - 1) / spans;
-  // per (pair, span, head of the pass): maximum, total, unnormalized output (spans > 1 only)
-  std::vector<float> part_ml(spans > 1 ? pairs * spans * G * 2 : 0), part_o(spans > 1 ? pairs * spans * G * D : 0);
-  const int64_t grain = work < (1 << 20) ? pairs * spans : 1;
+  // per (pass, span, query vector): maximum, total, unnormalized output (spans > 1 only)
+  std::vector<float> part_ml(spans > 1 ? passes * spans * G * 2 : 0), part_o(spans > 1 ? passes * spans * G * D : 0);
+  const int64_t grain = work < (1 << 20) ? passes * spans : 1;
 #ifdef HS_X86  // the vector kernels: AVX-512 for head sizes a multiple of 16, AVX2 for multiples of 8
   const int isa = D % 16 == 0 && cpu_has_avx512() ? 512 : (D % 8 == 0 && cpu_has_avx2() ? 256 : 0);
 #else
   const int isa = 0;
 #endif
-  at::parallel_for(0, pairs * spans, grain, [&](int64_t b, int64_t e) {
-    std::vector<float> scores(G * span_len);
-    std::vector<float> acc(spans > 1 ? 0 : G * D);
+  // pass p's query vectors: token t0 + j / g_n, head h0 + j % g_n
+  const auto pass_of = [&](int64_t p, int64_t& t0, int64_t& t_n, int64_t& hk, int64_t& h0, int64_t& g_n) {
+    const int64_t tile = p / (Hkv * sub);
+    hk = p / sub % Hkv;
+    h0 = hk * group + p % sub * gq;
+    g_n = std::min(gq, (hk + 1) * group - h0);
+    t0 = tile * tt;
+    t_n = std::min(tt, T - t0);
+  };
+  at::parallel_for(0, passes * spans, grain, [&](int64_t b, int64_t e) {
+    std::vector<float> scores, acc(spans > 1 ? 0 : G * D), qbuf(G * D);
     for (int64_t item = b; item < e; ++item) {
-      const int64_t pair = item / spans, sp = item % spans;
-      const int64_t t = pair / (Hkv * sub), hk = pair / sub % Hkv, h0 = hk * group + pair % sub * G;
-      const int64_t g_n = std::min(G, (hk + 1) * group - h0);  // query heads of this pass
-      const int64_t last = std::min<int64_t>({pos[t], kv_len - 1, (sp + 1) * span_len - 1});
-      const int64_t first = std::max<int64_t>(window > 0 ? std::max<int64_t>(0, pos[t] - window + 1) : 0, sp * span_len);
-      float* o = spans > 1 ? part_o.data() + (pair * spans + sp) * G * D : acc.data();
-      float* ml = spans > 1 ? part_ml.data() + (pair * spans + sp) * G * 2 : nullptr;
+      const int64_t p = item / spans, sp = item % spans;
+      int64_t t0, t_n, hk, h0, g_n;
+      pass_of(p, t0, t_n, hk, h0, g_n);
+      const int64_t q_n = t_n * g_n;
+      // each query vector's rows: its token's causal (and window) limits within this span
+      int64_t lo_j[ATT_MAX_GROUP], hi_j[ATT_MAX_GROUP], lo = INT64_MAX, hi = -1;
+      for (int64_t j = 0; j < q_n; ++j) {
+        const int64_t t = t0 + j / g_n;
+        hi_j[j] = std::min<int64_t>({pos[t], kv_len - 1, (sp + 1) * span_len - 1});
+        lo_j[j] = std::max<int64_t>(window > 0 ? std::max<int64_t>(0, pos[t] - window + 1) : 0, sp * span_len);
+        if (lo_j[j] <= hi_j[j]) {
+          lo = std::min(lo, lo_j[j]);
+          hi = std::max(hi, hi_j[j]);
+        }
+      }
+      float* o = spans > 1 ? part_o.data() + (p * spans + sp) * G * D : acc.data();
+      float* ml = spans > 1 ? part_ml.data() + (p * spans + sp) * G * 2 : nullptr;
       std::fill(o, o + G * D, 0.f);
-      if (last < first) {  // a span outside the causal (or sliding) window
-        for (int64_t g = 0; ml && g < g_n; ++g) { ml[2 * g] = -std::numeric_limits<float>::infinity(); ml[2 * g + 1] = 0.f; }
-        if (!ml)
-          for (int64_t g = 0; g < g_n; ++g) std::fill(op + (t * Hq + h0 + g) * D, op + (t * Hq + h0 + g + 1) * D, 0.f);
+      const auto out_row = [&](int64_t j) { return op + ((t0 + j / g_n) * Hq + h0 + j % g_n) * D; };
+      if (hi < lo) {  // a span outside every token's causal (or sliding) window
+        for (int64_t j = 0; j < q_n; ++j) {
+          if (ml) { ml[2 * j] = -std::numeric_limits<float>::infinity(); ml[2 * j + 1] = 0.f; }
+          else std::fill(out_row(j), out_row(j) + D, 0.f);
+        }
         continue;
       }
-      const int64_t n = last - first + 1;
-      const float* qv = qp + (t * Hq + h0) * D;
-      const C* kspan = kcp + (hk * n_ctx + first) * D;
-      const C* vspan = vcp + (hk * n_ctx + first) * D;
-      if (isa && g_n > 1) {
+      const int64_t n = hi - lo + 1;
+      if (static_cast<int64_t>(scores.size()) < G * n) scores.resize(G * n);
+      for (int64_t j = 0; j < q_n; ++j)  // the pass's query vectors side by side
+        std::copy(qp + ((t0 + j / g_n) * Hq + h0 + j % g_n) * D, qp + ((t0 + j / g_n) * Hq + h0 + j % g_n + 1) * D,
+                  qbuf.data() + j * D);
+      const C* kspan = kcp + (hk * n_ctx + lo) * D;
+      const C* vspan = vcp + (hk * n_ctx + lo) * D;
+      const bool vec = isa && q_n > 1;  // one query vector: the row-by-row loops (memory-bound already)
+      if (vec) {
 #ifdef HS_X86
-        if (isa == 512) att_avx512::group_attend(g_n, qv, kspan, vspan, n, D, static_cast<float>(scale), scores.data(), o, false);
-        else att_avx2::group_attend(g_n, qv, kspan, vspan, n, D, static_cast<float>(scale), scores.data(), o, false);
+        if (isa == 512) att_avx512::group_attend(q_n, qbuf.data(), kspan, vspan, n, D, static_cast<float>(scale), scores.data(), o, false);
+        else att_avx2::group_attend(q_n, qbuf.data(), kspan, vspan, n, D, static_cast<float>(scale), scores.data(), o, false);
 #endif
       } else {
-        for (int64_t s = 0; s < n; ++s)  // each key row once for the pass's query heads
-          for (int64_t g = 0; g < g_n; ++g) scores[g * n + s] = cache_dot(qv + g * D, kspan + s * D, D) * static_cast<float>(scale);
+        for (int64_t s = 0; s < n; ++s)  // each key row once for the pass's query vectors
+          for (int64_t j = 0; j < q_n; ++j) scores[j * n + s] = cache_dot(qbuf.data() + j * D, kspan + s * D, D) * static_cast<float>(scale);
       }
       float mx[ATT_MAX_GROUP], sum[ATT_MAX_GROUP];
-      for (int64_t g = 0; g < g_n; ++g) {
-        float* sc = scores.data() + g * n;
+      for (int64_t j = 0; j < q_n; ++j) {
+        float* sc = scores.data() + j * n;
+        if (lo_j[j] > hi_j[j]) {  // no row of this span for this token
+          std::fill(sc, sc + n, 0.f);
+          mx[j] = -std::numeric_limits<float>::infinity();
+          sum[j] = 0.f;
+          continue;
+        }
+        std::fill(sc, sc + (lo_j[j] - lo), 0.f);  // rows outside its limits weigh nothing
+        std::fill(sc + (hi_j[j] - lo + 1), sc + n, 0.f);
+        float* own = sc + (lo_j[j] - lo);
+        const int64_t m = hi_j[j] - lo_j[j] + 1;
 #ifdef HS_X86
         if (isa == 512) {
-          att_avx512::softmax_unnormalized(sc, n, mx[g], sum[g]);
+          att_avx512::softmax_unnormalized(own, m, mx[j], sum[j]);
           continue;
         }
         if (isa == 256) {
-          att_avx2::softmax_unnormalized(sc, n, mx[g], sum[g]);
+          att_avx2::softmax_unnormalized(own, m, mx[j], sum[j]);
           continue;
         }
 #endif
-        mx[g] = *std::max_element(sc, sc + n);
-        sum[g] = 0.f;
-        for (int64_t s = 0; s < n; ++s) sum[g] += (sc[s] = std::exp(sc[s] - mx[g]));
+        mx[j] = *std::max_element(own, own + m);
+        sum[j] = 0.f;
+        for (int64_t s = 0; s < m; ++s) sum[j] += (own[s] = std::exp(own[s] - mx[j]));
       }
-      if (isa && g_n > 1) {
+      if (vec) {
 #ifdef HS_X86
-        if (isa == 512) att_avx512::group_attend(g_n, qv, kspan, vspan, n, D, 0.f, scores.data(), o, true);
-        else att_avx2::group_attend(g_n, qv, kspan, vspan, n, D, 0.f, scores.data(), o, true);
+        if (isa == 512) att_avx512::group_attend(q_n, qbuf.data(), kspan, vspan, n, D, 0.f, scores.data(), o, true);
+        else att_avx2::group_attend(q_n, qbuf.data(), kspan, vspan, n, D, 0.f, scores.data(), o, true);
 #endif
       } else {
         for (int64_t s = 0; s < n; ++s)  // each value row once likewise
-          for (int64_t g = 0; g < g_n; ++g) cache_axpy(scores[g * n + s], vspan + s * D, o + g * D, D);
+          for (int64_t j = 0; j < q_n; ++j)
+            if (scores[j * n + s] != 0.f) cache_axpy(scores[j * n + s], vspan + s * D, o + j * D, D);
       }
-      for (int64_t g = 0; g < g_n; ++g) {
+      for (int64_t j = 0; j < q_n; ++j) {
         if (ml) {
-          ml[2 * g] = mx[g];
-          ml[2 * g + 1] = sum[g];
+          ml[2 * j] = mx[j];
+          ml[2 * j + 1] = sum[j];
         } else {
-          const float inv = 1.f / sum[g];
-          float* out = op + (t * Hq + h0 + g) * D;
-          for (int64_t d = 0; d < D; ++d) out[d] = o[g * D + d] * inv;
+          const float inv = sum[j] > 0.f ? 1.f / sum[j] : 0.f;
+          float* out = out_row(j);
+          for (int64_t d = 0; d < D; ++d) out[d] = o[j * D + d] * inv;
         }
       }
     }
   });
   if (spans == 1) return;
-  for (int64_t pair = 0; pair < pairs; ++pair) {  // the spans of each query head merged
-    const int64_t t = pair / (Hkv * sub), hk = pair / sub % Hkv, h0 = hk * group + pair % sub * G;
-    const int64_t g_n = std::min(G, (hk + 1) * group - h0);
-    for (int64_t g = 0; g < g_n; ++g) {
+  for (int64_t p = 0; p < passes; ++p) {  // the spans of each query vector merged
+    int64_t t0, t_n, hk, h0, g_n;
+    pass_of(p, t0, t_n, hk, h0, g_n);
+    for (int64_t j = 0; j < t_n * g_n; ++j) {
       float mx = -std::numeric_limits<float>::infinity(), total = 0.f;
-      for (int64_t sp = 0; sp < spans; ++sp) mx = std::max(mx, part_ml[((pair * spans + sp) * G + g) * 2]);
-      float* out = op + (t * Hq + h0 + g) * D;
+      for (int64_t sp = 0; sp < spans; ++sp) mx = std::max(mx, part_ml[((p * spans + sp) * G + j) * 2]);
+      float* out = op + ((t0 + j / g_n) * Hq + h0 + j % g_n) * D;
       std::fill(out, out + D, 0.f);
       for (int64_t sp = 0; sp < spans; ++sp) {
-        const float* ml = part_ml.data() + ((pair * spans + sp) * G + g) * 2;
-        if (ml[1] == 0.f) continue;  // an empty span
-        const float w = std::exp(ml[0] - mx);
-        total += w * ml[1];
-        axpy_f32(w, part_o.data() + ((pair * spans + sp) * G + g) * D, out, D);
+        const float* m = part_ml.data() + ((p * spans + sp) * G + j) * 2;
+        if (m[1] == 0.f) continue;  // an empty span
+        const float w = std::exp(m[0] - mx);
+        total += w * m[1];
+        axpy_f32(w, part_o.data() + ((p * spans + sp) * G + j) * D, out, D);
       }
       const float inv = total > 0.f ? 1.f / total : 0.f;
       for (int64_t d = 0; d < D; ++d) out[d] *= inv;

@@ -266,12 +266,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, st
         return torch.cat([attend(q[a:b], k[a:b], v[a:b], c, sub, window, scale)
                           for (a, b, sub), c in zip(step.seqs, cache)])
     if kernels.use_cpu_op(q) and cache.k.dtype in (torch.float32, torch.float16):
-        T, n_q, D = q.shape
-        if T < CPU_ATTENTION_GEMM_TOKENS or T * n_q * step.kv_len * D < CPU_ATTENTION_GEMM_WORK \
-                or n_q != k.shape[1]:
-            return kernels.cpu.attention(q, k, v, cache.k, cache.v, step.positions, step.kv_len, window or 0, scale)
-        # a prompt's tokens over a long cache, one query head per key/value head: two batched GEMMs
-        # (attend_reference) beat one dot per key
+        # decode and prompts alike (CPU_ATTENTION below)
+        return kernels.cpu.attention(q, k, v, cache.k, cache.v, step.positions, step.kv_len, window or 0, scale)
     if q.shape[0] <= CUDA_ATTENTION_MAX_TOKENS and kernels.use_cuda_op(q, k, v) \
             and cache.k.dtype in (torch.float16, torch.float32) and q.shape[2] <= 256 \
             and 1 <= step.kv_len <= CUDA_ATTENTION_MAX_KV \
@@ -282,13 +278,12 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, st
 
 
 CUDA_ATTENTION_MAX_TOKENS = 8
-# From here the CPU's prompt attention over multi-head caches goes through torch's batched GEMMs instead
-# of the compiled op's dot per key and head (dev VM, 2 threads, float16 cache: 32 tokens after 480, 7B
-# heads 5.2 -> 3.1 ms; below ~8M multiply-adds the op wins). Grouped heads stay with the op, which reads
-# each cache row once per group since session 19 (Llama-3-8B's heads: 32 tokens after 480 1.8 ms both
-# ways, 64 after 1000 7.9 against 15.3, 128 after 2000 30 against 48; Gemma 3 270M's equal).)
-CPU_ATTENTION_GEMM_TOKENS = 16
-CPU_ATTENTION_GEMM_WORK = 1 << 23
+# CPU_ATTENTION: the compiled op takes prompts too. Since session 19 it reads each cache row once per
+# pass of up to 8 query vectors (a prompt's tokens times a group's heads) and skips the causally
+# masked rows, and so beat torch's batched GEMMs (attend_reference), which it used to lose to from 16
+# tokens: dev VM, 2 threads, float16 cache, per layer, 512 prompt tokens with Llama-2-7B's heads 24 ms
+# against 52, Llama-3-8B's 22 against 51, Gemma 3 270M's 7.4 against 15.7; 128 tokens after 2000 with
+# 7B heads 38 against 70.
 CUDA_ATTENTION_MAX_KV = 8192  # csrc/cuda_layers.cu: ATT_MAX_KV (scores in shared memory)
 
 

@@ -224,7 +224,8 @@ def test_cpu_attention_op_over_a_float32_or_float16_cache(cache_dtype, tokens, w
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("hq,hkv,d,window", [(8, 1, 64, None), (8, 1, 64, 700), (6, 2, 64, 1200), (4, 4, 40, None)])
-def test_cpu_decode_attention_splits_a_long_cache_across_threads(cache_dtype, hq, hkv, d, window):
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_cpu_decode_attention_splits_a_long_cache_across_threads(cache_dtype, hq, hkv, d, window, tokens):
     """One token over a long cache with fewer (token, key/value head) pairs than threads: the compiled
     op splits the positions into spans and merges their softmax sums (a window leaves the first span
     empty); grouped query heads read each cache row once. Against the eager reference."""
@@ -237,8 +238,8 @@ def test_cpu_decode_attention_splits_a_long_cache_across_threads(cache_dtype, hq
     cache = KVCache(hkv, d, past + 8, "cpu", cache_dtype)
     cache.k[:, :past] = torch.randn(hkv, past, d, generator=g).to(cache_dtype)
     cache.v[:, :past] = torch.randn(hkv, past, d, generator=g).to(cache_dtype)
-    q, k, v = (torch.randn(1, h, d, generator=g) for h in (hq, hkv, hkv))
-    step = Step(torch.tensor([past]), past + 1)
+    q, k, v = (torch.randn(tokens, h, d, generator=g) for h in (hq, hkv, hkv))
+    step = Step(torch.arange(past, past + tokens), past + tokens)
     ref_cache = types.SimpleNamespace(k=cache.k.float().clone(), v=cache.v.float().clone())
     ref = attend_reference(q, k.to(cache_dtype).float(), v.to(cache_dtype).float(), ref_cache, step, window, d ** -0.5)
     threads = torch.get_num_threads()
@@ -251,31 +252,32 @@ def test_cpu_decode_attention_splits_a_long_cache_across_threads(cache_dtype, hq
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
-def test_cpu_prompt_attention_over_a_long_cache_takes_the_gemm_path(cache_dtype, monkeypatch):
-    """A prompt's tokens over a long multi-head cache go through batched GEMMs (layers.attend's
-    switch): the same output and the same cache contents as the compiled op, windowed and not.
-    Grouped heads stay with the op."""
+def test_cpu_prompt_attention_over_a_long_cache(cache_dtype, monkeypatch):
+    """A prompt's tokens over a long cache go through the compiled op (passes of several tokens'
+    queries, each with its own causal limit and window) and match the eager reference, multi-head and
+    grouped, windowed and not; the cache holds the same values either way."""
     from hybridsparse.runtime import kernels, layers
     from hybridsparse.runtime.layers import Step, attend
     if not kernels.available():
         pytest.skip("compiled kernels not built")
-    calls = []
     reference = layers.attend_reference
-    monkeypatch.setattr(layers, "attend_reference", lambda *a, **kw: calls.append(a[1].shape[1]) or reference(*a, **kw))
+    calls = []
+    monkeypatch.setattr(layers, "attend_reference", lambda *a, **kw: calls.append(1) or reference(*a, **kw))
     g = torch.Generator().manual_seed(11)
-    T, past, hq, d = 32, 500, 8, 64
-    assert T * hq * (past + T) * d >= layers.CPU_ATTENTION_GEMM_WORK and T >= layers.CPU_ATTENTION_GEMM_TOKENS
-    for window, hkv in ((None, 8), (100, 8), (None, 2)):
+    T, past, hq, d = 37, 500, 8, 64
+    for window, hkv in ((None, 8), (100, 8), (None, 2), (30, 2), (None, 1)):
         a, b = KVCache(hkv, d, 600, "cpu", cache_dtype), KVCache(hkv, d, 600, "cpu", cache_dtype)
         a.k[:, :past] = b.k[:, :past] = torch.randn(hkv, past, d, generator=g).to(cache_dtype)
         a.v[:, :past] = b.v[:, :past] = torch.randn(hkv, past, d, generator=g).to(cache_dtype)
         q, k, v = (torch.randn(T, h, d, generator=g) for h in (hq, hkv, hkv))
         step = Step(torch.arange(past, past + T), past + T)
         out = attend(q, k, v, a, step, window, 0.125)
-        op = kernels.cpu.attention(q, k, v, b.k, b.v, step.positions, step.kv_len, window or 0, 0.125)
-        torch.testing.assert_close(out, op, atol=2e-5, rtol=1e-4)
-        assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v)
-    assert calls == [8, 8]  # the two multi-head prompts, not the grouped one
+        ref_cache = types.SimpleNamespace(k=b.k.float(), v=b.v.float())
+        ref = reference(q, k.to(cache_dtype).float(), v.to(cache_dtype).float(), ref_cache, step, window, 0.125)
+        torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+        assert torch.equal(a.k[:, past:past + T].float(), ref_cache.k[:, past:past + T])
+        assert torch.equal(a.v[:, past:past + T].float(), ref_cache.v[:, past:past + T])
+    assert not calls  # the compiled op, not the eager form
 
 
 @pytest.mark.parametrize("path", ["avx2", "scalar"])
@@ -294,7 +296,7 @@ def test_cpu_attention_on_the_other_cpu_paths(path):
         pytest.skip("x86 only")
     here = Path(__file__).parent
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(here / "test_architectures.py"),
-                        "-k", "cpu_attention_op or splits_a_long_cache"], capture_output=True, text=True, timeout=600,
+                        "-k", "cpu_attention_op or splits_a_long_cache or prompt_attention"], capture_output=True, text=True, timeout=600,
                        env={**os.environ, "HS_CPU_PATH": path}, cwd=here.parent)
     assert r.returncode == 0, r.stdout[-3000:]
     assert " passed" in r.stdout and " failed" not in r.stdout
