@@ -743,6 +743,17 @@ def _positive_ints(text: str) -> list[int]:
     return values
 
 
+def _tokens(text: str) -> int:
+    """argparse type: a token count in 1..4096."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if not 1 <= n <= 4096:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a number of tokens in 1..4096")
+    return n
+
+
 def _time(f, reps: int, cuda: bool = False) -> float:
     """Median seconds per call; on the CPU each call after reading 256 MiB (more than any L3), so the
     rows come from memory. On the GPU the calls are captured in a CUDA graph (as the runtime
@@ -840,9 +851,10 @@ ATTENTION_SHAPES = {  # name: (query heads, key/value heads, head_dim) of real m
 
 
 def _attention(args) -> int:
-    """One decode token's attention (the k/v store and the softmax over the cache) as the runtime runs it
-    (layers.attend: the compiled op), next to torch's eager form, at several cache lengths: ms per
-    layer and GiB/s of the cache bytes it must read (k and v of every position up to the token)."""
+    """One decode token's attention (the k/v store and the softmax over the cache), or --tokens of a
+    prompt's, as the runtime runs it (layers.attend: the compiled op), next to torch's eager form, at
+    several cache lengths: ms per layer and GiB/s of the cache bytes it must read (k and v of every
+    position up to the last token)."""
     from .layers import KVCache, Step, attend, attend_reference
     torch.set_num_threads(args.threads)
     cuda = args.device == "cuda"
@@ -854,18 +866,19 @@ def _attention(args) -> int:
     for shape in args.shapes:
         hq, hkv, d = ATTENTION_SHAPES[shape]
         for n in args.positions:
-            cache = KVCache(hkv, d, n + 1, dev, dtype)
+            T = args.tokens
+            cache = KVCache(hkv, d, n + T, dev, dtype)
             cache.k[:, :n] = torch.randn(hkv, n, d, device=dev).to(dtype)
             cache.v[:, :n] = torch.randn(hkv, n, d, device=dev).to(dtype)
-            q, k, v = (torch.randn(1, h, d, device=dev) for h in (hq, hkv, hkv))
-            step = Step(torch.tensor([n], device=dev), n + 1)
+            q, k, v = (torch.randn(T, h, d, device=dev) for h in (hq, hkv, hkv))
+            step = Step(torch.arange(n, n + T, device=dev), n + T)
             t_op = _time(lambda: attend(q, k, v, cache, step, None, d ** -0.5), args.reps, cuda)
             t_ref = _time(lambda: attend_reference(q, k, v, cache, step, None, d ** -0.5), args.reps, cuda)
-            gib = 2 * hkv * (n + 1) * d * cache.k.element_size() / 2**30
-            entry = {"shape": shape, "heads": hq, "kv_heads": hkv, "head_dim": d, "positions": n + 1,
+            gib = 2 * hkv * (n + T) * d * cache.k.element_size() / 2**30
+            entry = {"shape": shape, "heads": hq, "kv_heads": hkv, "head_dim": d, "tokens": T, "positions": n + T,
                      "ms": t_op * 1e3, "gib_s": gib / t_op, "of_bandwidth": gib / t_op / bw, "torch_ms": t_ref * 1e3}
             rows_out.append(entry)
-            print(f"{shape:12s} {hq:3d}/{hkv:<3d} x {d:3d} {n + 1:6d} positions: {entry['ms']:8.3f} ms "
+            print(f"{shape:12s} {hq:3d}/{hkv:<3d} x {d:3d} {T:4d} token(s) {n + T:6d} positions: {entry['ms']:8.3f} ms "
                   f"{entry['gib_s']:7.1f} GiB/s ({entry['of_bandwidth']:4.0%})  torch {entry['torch_ms']:8.3f} ms",
                   flush=True)
     result = {"machine": {**machine(), "device": args.device, "read_bandwidth_gib_s": round(bw, 1)},
@@ -978,6 +991,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="comma-separated head layouts, of: " + ", ".join(ATTENTION_SHAPES))
     att.add_argument("--positions", default="256,4000", type=_positive_ints,
                      help="comma-separated cache lengths before the token")
+    att.add_argument("--tokens", type=_tokens, default=1,
+                     help="query tokens after the cache, 1..4096 (1: decode; more: a prompt's chunk)")
     att.add_argument("-ctk", "--cache-type", choices=["f16", "f32"], default="f16")
     att.add_argument("--reps", type=int, default=20)
     att.add_argument("--json")

@@ -281,9 +281,9 @@ CUDA_ATTENTION_MAX_TOKENS = 8
 # CPU_ATTENTION: the compiled op takes prompts too. Since session 19 it reads each cache row once per
 # pass of up to 8 query vectors (a prompt's tokens times a group's heads) and skips the causally
 # masked rows, and so beat torch's batched GEMMs (attend_reference), which it used to lose to from 16
-# tokens: dev VM, 2 threads, float16 cache, per layer, 512 prompt tokens with Llama-2-7B's heads 24 ms
-# against 52, Llama-3-8B's 22 against 51, Gemma 3 270M's 7.4 against 15.7; 128 tokens after 2000 with
-# 7B heads 38 against 70.
+# tokens: dev VM, 2 threads, float16 cache, per layer, `hs-bench attention -t 2 --tokens 512 --positions
+# 1`: Llama-2-7B's heads 28.8 ms against 75.7, Llama-3-8B's 21.7 against 73.5, Gemma 3 270M's 5.9
+# against 12.0.
 CUDA_ATTENTION_MAX_KV = 8192  # csrc/cuda_layers.cu: ATT_MAX_KV (scores in shared memory)
 
 

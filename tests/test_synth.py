@@ -187,9 +187,13 @@ def test_attention_benchmark_writes_json_and_checks_its_flags(tmp_path, capsys):
     d = json.loads(out.read_text())
     assert d["cache_type"] == "f16" and [(r["shape"], r["positions"]) for r in d["results"]] == \
         [("llama-3-8b", 41), ("gemma3-270m", 41)]
+    assert bench.main(["attention", "-t", "1", "--shapes", "llama-2-7b", "--positions", "20", "--tokens", "9",
+                       "--reps", "1", "--json", str(out)]) == 0
+    assert [(r["tokens"], r["positions"]) for r in json.loads(out.read_text())["results"]] == [(9, 29)]
     assert all(r["ms"] > 0 and r["torch_ms"] > 0 for r in d["results"])
     capsys.readouterr()
-    for flag, value, expected in [("--positions", "0,3", "positive integers"), ("--shapes", "llama-9b", "llama-3-8b")]:
+    for flag, value, expected in [("--positions", "0,3", "positive integers"), ("--shapes", "llama-9b", "llama-3-8b"),
+                                  ("--tokens", "0", "1..4096")]:
         with pytest.raises(SystemExit) as exit_:
             bench.main(["attention", flag, value])
         assert exit_.value.code == 2
