@@ -69,8 +69,10 @@ constexpr int ATT_MAX_CHUNK = 64; // cache positions per block (split-KV, "flash
 // adds them in (VU): with 8 and 16 a 32-position chunk's rows are one round of memory latency each.
 // At a few hundred positions the kernel waits on latency, not bandwidth (a 7B layer's K and V at 256
 // positions are 4 MiB, ~1.5 us of HBM time; it took ~13 us with 4 and 4, two and eight rounds).
-// Opt-in (HS_CUDA_ATT_UNROLL=1) until a GPU has run its tests and measured it (session 19 compiled
-// it with nvcc and got no GPU); 4 and 4 by default. tests/gpu/device_session.sh stage att compares them.
+// H100, session 19 (`hs-bench attention --device cuda`: the k/v store, attention and combine of one
+// token, replayed in a CUDA graph, two alternating runs each): 7B heads 12 -> 11 us at 257 positions,
+// 67 -> 64 us at 4001; Llama-3-8B 40 -> 38 us at 4001: mostly launch and latency floor either way.
+// HS_CUDA_ATT_UNROLL=0: 4 and 4, for side-by-side runs (tests/gpu/device_session.sh stage att).
 constexpr int ATT_UNROLL = 8;
 constexpr int ATT_V_UNROLL = 16;
 
@@ -323,7 +325,7 @@ void launch_attention(const float* q, int64_t sqt, int64_t sqh, const void* kc, 
                       int64_t window, float scale, float* out, float* part_o, float* part_ml, cudaStream_t stream) {
   const int chunk = attention_chunk(T, Hq, kv_len), n_chunks = attention_chunks(T, Hq, kv_len);
   const dim3 grid(static_cast<unsigned>(T * Hq), static_cast<unsigned>(n_chunks)), block(32 * ATT_WARPS);
-  const bool unrolled = env_on("HS_CUDA_ATT_UNROLL");
+  const bool unrolled = !env_off("HS_CUDA_ATT_UNROLL");
   if (half_cache)
     launch(unrolled ? attention_kernel<__half, ATT_UNROLL, ATT_V_UNROLL> : attention_kernel<__half, 4, 4>, grid, block,
            0, stream, q, sqt, sqh, static_cast<const __half*>(kc), static_cast<const __half*>(vc), pos, Hq, Hq / Hkv,

@@ -18,7 +18,7 @@
 #   s2ab: S2's step with two- / one-plane activations and the polled hand-over, alternating
 #   pdltests: the layer / sparse-op / model GPU tests with programmatic dependent launch on (HS_CUDA_PDL=1)
 #   pdl: a 7B-shaped F16 model all on the GPU and the CUDA kernels, with it off and on alternately
-#   att: a 7B-shaped F16 model all on the GPU with the attention kernel's default and opt-in unrolling, alternately,
+#   att: a 7B-shaped F16 model all on the GPU with the attention kernel's old and new unrolling, alternately,
 #   then where its decode step's time goes (tests/gpu/profile_decode.py)
 #   kq8: the Q8_0 row-dot as it is and staged against x in two planes (HS_CUDA_STAGED_Q8=1), side by side
 set -uo pipefail

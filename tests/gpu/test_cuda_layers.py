@@ -55,7 +55,7 @@ def test_rope_qk_one_launch_for_adjacent_q_and_k(tokens):
 @pytest.mark.parametrize("cache_dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("tokens,window,n_q,n_kv,D", [(1, None, 8, 8, 64), (1, None, 8, 2, 128), (3, None, 4, 1, 256),
                                                      (1, 16, 4, 2, 64), (4, 8, 4, 4, 80)])
-@pytest.mark.parametrize("unroll", ["1", "0"])  # HS_CUDA_ATT_UNROLL: the kernel's loads in flight, opt-in and default
+@pytest.mark.parametrize("unroll", ["1", "0"])  # HS_CUDA_ATT_UNROLL: the kernel's loads in flight, default and old
 def test_attention(cache_dtype, tokens, window, n_q, n_kv, D, unroll, monkeypatch):
     monkeypatch.setenv("HS_CUDA_ATT_UNROLL", unroll)
     n_ctx, past = 64, 37
