@@ -115,16 +115,17 @@ HS_ISA_TARGET inline vf vpow2i(vf n) {  // 2^n for whole n in [-126, 127]
 // The query heads of one key/value head together (grouped-query attention: Llama 3, Mistral, Qwen,
 // Gemma): each cache row is read once for the whole group, while it is in L1, instead of once per
 // query head (a long cache of one key/value head is ~1 MiB at 4k positions, past L2). Work items are
-// (token, key/value head, span of positions); spans (flash-decoding's split, when there are fewer
-// (token, head) pairs than threads) keep each one's maximum, total and unnormalized output and are
-// merged at the end. With AVX-512 (AVX2) and head_dim a multiple of 16 (8) a group's dots and sums run
+// (pass, span of positions), a pass being some tokens' query heads of one key/value head (below);
+// spans (flash-decoding's split, when there are fewer passes than threads) keep each one's maximum,
+// total and unnormalized output and are merged at the end. With AVX-512 (AVX2) and head_dim a multiple of 16 (8) a group's dots and sums run
 // in registers and the softmax's exponentials are vectorized (csrc/cpu_attention_isa.h). Dev VM (Zen 4),
 // 2 threads, one token, float16 cache, `hs-bench attention -t 2` (cache read from memory), before ->
 // after: Llama-3-8B's heads (32 over 8, 128 wide) at 4001 positions 1.57 -> 0.94-1.00 ms a layer, at
 // 257 0.21 -> 0.14-0.16; Gemma 3 270M's (4 over 1, 256 wide) at 4001 0.44 -> 0.31-0.32; 32 heads over
 // 32 (row by row, memory-bound) 2.2-2.3 ms either way. Prompts (passes of several tokens, below):
-// 512 tokens with Llama-2-7B's heads 24 ms a layer against torch's batched GEMMs' 52 (the op read each
-// row once per token and lost to them from 16 tokens before); see runtime/layers.py CPU_ATTENTION.
+// 512 tokens with Llama-2-7B's heads 28.8 ms a layer against torch's batched GEMMs' 75.7 (`--tokens
+// 512`; the op read each row once per token and lost to them from 16 tokens before); see
+// runtime/layers.py CPU_ATTENTION.
 constexpr int64_t ATT_MAX_GROUP = 8;  // query vectors handled in one pass over the rows
 constexpr int64_t ATT_SPAN_MIN = 512;  // positions per span at least
 
