@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .cli import add_model_args, cache_dtype, default_threads, run_main
+from .cli import CACHE_TYPES, add_model_args, cache_dtype, default_threads, run_main
 from .errors import InputError
 
 # The environment switches that change what the runtime computes or how fast (the README's table),
@@ -710,15 +710,23 @@ def _listed(valid, norm):
     return parse
 
 
-def _densities(text: str) -> list[float]:
-    """argparse type: comma-separated fractions in (0, 1]."""
-    try:
-        out = [float(t) for t in text.split(",")]
-    except ValueError:
-        out = []
-    if not out or not all(0 < d <= 1 for d in out):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated fractions in (0, 1], e.g. 1,0.1")
-    return out
+def _numbers(cast, ok, expected: str, one: bool = False):
+    """argparse type: comma-separated numbers (or, with one, a single number) that `cast` reads and
+    `ok` accepts; otherwise an error naming what was `expected`."""
+    def parse(text: str):
+        try:
+            out = [cast(t) for t in text.split(",")]
+        except ValueError:
+            out = []
+        if not out or (one and len(out) != 1) or not all(ok(v) for v in out):
+            raise argparse.ArgumentTypeError(f"{text!r}: expected {expected}")
+        return out[0] if one else out
+    return parse
+
+
+_densities = _numbers(float, lambda d: 0 < d <= 1, "comma-separated fractions in (0, 1], e.g. 1,0.1")
+_positive_ints = _numbers(int, lambda n: n >= 1, "a comma-separated list of positive integers")
+_tokens = _numbers(int, lambda n: 1 <= n <= 4096, "a number of tokens in 1..4096", one=True)
 
 
 def _random_weight(qtype, rows: int, cols: int) -> torch.Tensor:
@@ -730,28 +738,6 @@ def _random_weight(qtype, rows: int, cols: int) -> torch.Tensor:
     raw = torch.randint(0, 256, (rows, cols // block, size), dtype=torch.uint8)
     raw[:, :, 0:2] = torch.tensor([0x00, 0x20], dtype=torch.uint8)  # float16 scale 0.0078
     return raw.reshape(rows, -1)
-
-
-def _positive_ints(text: str) -> list[int]:
-    """argparse type: a comma-separated list of positive integers."""
-    try:
-        values = [int(t) for t in text.split(",") if t.strip()]
-    except ValueError:
-        values = []
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a comma-separated list of positive integers")
-    return values
-
-
-def _tokens(text: str) -> int:
-    """argparse type: a token count in 1..4096."""
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if not 1 <= n <= 4096:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a number of tokens in 1..4096")
-    return n
 
 
 def _time(f, reps: int, cuda: bool = False) -> float:
@@ -860,7 +846,7 @@ def _attention(args) -> int:
     cuda = args.device == "cuda"
     if cuda and not torch.cuda.is_available():
         raise SystemExit("hs-bench attention --device cuda: no CUDA device")
-    dev, dtype = torch.device(args.device), {"f16": torch.float16, "f32": torch.float32}[args.cache_type]
+    dev, dtype = torch.device(args.device), CACHE_TYPES[args.cache_type]
     bw = measure_bandwidth_gib_s(args.device)
     rows_out = []
     for shape in args.shapes:
@@ -993,7 +979,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="comma-separated cache lengths before the token")
     att.add_argument("--tokens", type=_tokens, default=1,
                      help="query tokens after the cache, 1..4096 (1: decode; more: a prompt's chunk)")
-    att.add_argument("-ctk", "--cache-type", choices=["f16", "f32"], default="f16")
+    att.add_argument("-ctk", "--cache-type", choices=CACHE_TYPES, default="f16")
     att.add_argument("--reps", type=int, default=20)
     att.add_argument("--json")
     att.add_argument("--verbose", action="store_true")
