@@ -152,12 +152,20 @@ void attend_cached(const float* qp, const C* kcp, const C* vcp, const int64_t* p
   // per (pass, span, query vector): maximum, total, unnormalized output (spans > 1 only)
   std::vector<float> part_ml(spans > 1 ? passes * spans * G * 2 : 0), part_o(spans > 1 ? passes * spans * G * D : 0);
   const int64_t grain = work < (1 << 20) ? passes * spans : 1;
-#ifdef HS_X86  // the vector kernels: AVX-512 for head sizes a multiple of 16, AVX2 for multiples of 8
-  const int isa = D % 16 == 0 && cpu_has_avx512() ? 512 : (D % 8 == 0 && cpu_has_avx2() ? 256 : 0);
-#else
-  const int isa = 0;
+  // the vector kernels: AVX-512 for head sizes a multiple of 16, AVX2 for multiples of 8 (none: null)
+  void (*vec_pass)(int64_t, const float*, const C*, const C*, int64_t, int64_t, float, float*, float*, bool) = nullptr;
+  void (*vec_softmax)(float*, int64_t, float&, float&) = nullptr;
+#ifdef HS_X86
+  if (D % 16 == 0 && cpu_has_avx512()) {
+    vec_pass = att_avx512::group_attend<C>;
+    vec_softmax = att_avx512::softmax_unnormalized;
+  } else if (D % 8 == 0 && cpu_has_avx2()) {
+    vec_pass = att_avx2::group_attend<C>;
+    vec_softmax = att_avx2::softmax_unnormalized;
+  }
 #endif
-  // pass p's query vectors: token t0 + j / g_n, head h0 + j % g_n
+  // pass p's query vectors: token t0 + j / g_n, head h0 + j % g_n, at row `row(...)` of q and of the output
+  const auto row = [&](int64_t t0, int64_t h0, int64_t g_n, int64_t j) { return ((t0 + j / g_n) * Hq + h0 + j % g_n) * D; };
   const auto pass_of = [&](int64_t p, int64_t& t0, int64_t& t_n, int64_t& hk, int64_t& h0, int64_t& g_n) {
     const int64_t tile = p / (Hkv * sub);
     hk = p / sub % Hkv;
@@ -187,7 +195,7 @@ void attend_cached(const float* qp, const C* kcp, const C* vcp, const int64_t* p
       float* o = spans > 1 ? part_o.data() + (p * spans + sp) * G * D : acc.data();
       float* ml = spans > 1 ? part_ml.data() + (p * spans + sp) * G * 2 : nullptr;
       std::fill(o, o + G * D, 0.f);
-      const auto out_row = [&](int64_t j) { return op + ((t0 + j / g_n) * Hq + h0 + j % g_n) * D; };
+      const auto out_row = [&](int64_t j) { return op + row(t0, h0, g_n, j); };
       if (hi < lo) {  // a span outside every token's causal (or sliding) window
         for (int64_t j = 0; j < q_n; ++j) {
           if (ml) { ml[2 * j] = -std::numeric_limits<float>::infinity(); ml[2 * j + 1] = 0.f; }
@@ -198,16 +206,12 @@ void attend_cached(const float* qp, const C* kcp, const C* vcp, const int64_t* p
       const int64_t n = hi - lo + 1;
       if (static_cast<int64_t>(scores.size()) < G * n) scores.resize(G * n);
       for (int64_t j = 0; j < q_n; ++j)  // the pass's query vectors side by side
-        std::copy(qp + ((t0 + j / g_n) * Hq + h0 + j % g_n) * D, qp + ((t0 + j / g_n) * Hq + h0 + j % g_n + 1) * D,
-                  qbuf.data() + j * D);
+        std::copy(qp + row(t0, h0, g_n, j), qp + row(t0, h0, g_n, j) + D, qbuf.data() + j * D);
       const C* kspan = kcp + (hk * n_ctx + lo) * D;
       const C* vspan = vcp + (hk * n_ctx + lo) * D;
-      const bool vec = isa && q_n > 1;  // one query vector: the row-by-row loops (memory-bound already)
+      const bool vec = vec_pass && q_n > 1;  // one query vector: the row-by-row loops (memory-bound already)
       if (vec) {
-#ifdef HS_X86
-        if (isa == 512) att_avx512::group_attend(q_n, qbuf.data(), kspan, vspan, n, D, static_cast<float>(scale), scores.data(), o, false);
-        else att_avx2::group_attend(q_n, qbuf.data(), kspan, vspan, n, D, static_cast<float>(scale), scores.data(), o, false);
-#endif
+        vec_pass(q_n, qbuf.data(), kspan, vspan, n, D, static_cast<float>(scale), scores.data(), o, false);
       } else {
         for (int64_t s = 0; s < n; ++s)  // each key row once for the pass's query vectors
           for (int64_t j = 0; j < q_n; ++j) scores[j * n + s] = cache_dot(qbuf.data() + j * D, kspan + s * D, D) * static_cast<float>(scale);
@@ -225,25 +229,16 @@ void attend_cached(const float* qp, const C* kcp, const C* vcp, const int64_t* p
         std::fill(sc + (hi_j[j] - lo + 1), sc + n, 0.f);
         float* own = sc + (lo_j[j] - lo);
         const int64_t m = hi_j[j] - lo_j[j] + 1;
-#ifdef HS_X86
-        if (isa == 512) {
-          att_avx512::softmax_unnormalized(own, m, mx[j], sum[j]);
+        if (vec_softmax) {
+          vec_softmax(own, m, mx[j], sum[j]);
           continue;
         }
-        if (isa == 256) {
-          att_avx2::softmax_unnormalized(own, m, mx[j], sum[j]);
-          continue;
-        }
-#endif
         mx[j] = *std::max_element(own, own + m);
         sum[j] = 0.f;
         for (int64_t s = 0; s < m; ++s) sum[j] += (own[s] = std::exp(own[s] - mx[j]));
       }
       if (vec) {
-#ifdef HS_X86
-        if (isa == 512) att_avx512::group_attend(q_n, qbuf.data(), kspan, vspan, n, D, 0.f, scores.data(), o, true);
-        else att_avx2::group_attend(q_n, qbuf.data(), kspan, vspan, n, D, 0.f, scores.data(), o, true);
-#endif
+        vec_pass(q_n, qbuf.data(), kspan, vspan, n, D, 0.f, scores.data(), o, true);
       } else {
         for (int64_t s = 0; s < n; ++s)  // each value row once likewise
           for (int64_t j = 0; j < q_n; ++j)
@@ -268,7 +263,7 @@ void attend_cached(const float* qp, const C* kcp, const C* vcp, const int64_t* p
     for (int64_t j = 0; j < t_n * g_n; ++j) {
       float mx = -std::numeric_limits<float>::infinity(), total = 0.f;
       for (int64_t sp = 0; sp < spans; ++sp) mx = std::max(mx, part_ml[((p * spans + sp) * G + j) * 2]);
-      float* out = op + ((t0 + j / g_n) * Hq + h0 + j % g_n) * D;
+      float* out = op + row(t0, h0, g_n, j);
       std::fill(out, out + D, 0.f);
       for (int64_t sp = 0; sp < spans; ++sp) {
         const float* m = part_ml.data() + ((p * spans + sp) * G + j) * 2;
