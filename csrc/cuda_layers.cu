@@ -16,6 +16,7 @@
 
 #include <cstdint>
 
+#include "cuda_device.h"
 #include "cuda_launch.h"
 
 namespace hs {
@@ -25,11 +26,11 @@ __device__ __forceinline__ float to_f(float v) { return v; }
 __device__ __forceinline__ float to_f(__half v) { return __half2float(v); }
 __device__ __forceinline__ void from_f(float v, float* p) { *p = v; }
 __device__ __forceinline__ void from_f(float v, __half* p) { *p = __float2half(v); }
-
-__device__ __forceinline__ float warp_sum(float s) {
-#pragma unroll
-  for (int off = 16; off > 0; off /= 2) s += __shfl_xor_sync(0xffffffff, s, off);
-  return s;
+// v as the cache of type C holds it
+template <typename C> __device__ __forceinline__ float cache_round(float v) {
+  C c;
+  from_f(v, &c);
+  return to_f(c);
 }
 
 __global__ void rope_kernel(float* x, int64_t st, int64_t sh, int H, int half, const float* cos,
@@ -106,19 +107,64 @@ __device__ __forceinline__ float lane_dot(const float* kr, const float* qs, int 
   return acc;
 }
 
+// lane_dot of the new row k (float), rounded as the cache of type C holds it
+template <typename C>
+__device__ __forceinline__ float lane_dot_new(const float* kr, const float* qs, int D, int lane) {
+  float acc = 0.f;
+  for (int d = lane; d < D; d += 32) acc += cache_round<C>(kr[d]) * qs[d];
+  return acc;
+}
+
+// The chunks of one (token, head) rescaled to their common maximum and added, threads over head_dim
+// (the combine kernel's block, or the last attention block of the (token, head) to finish).
+__device__ __forceinline__ void combine_chunks(const float* part_o, const float* part_ml, int n_chunks, int D,
+                                               int64_t th, float* out) {
+  const float* ml = part_ml + th * n_chunks * 2;
+  float mx = -INFINITY;
+  for (int s = 0; s < n_chunks; ++s) mx = fmaxf(mx, __ldcg(ml + 2 * s));
+  for (int d = threadIdx.x; d < D; d += blockDim.x) {
+    float o = 0.f, total = 0.f;
+    for (int s = 0; s < n_chunks; ++s) {
+      const float m = __ldcg(ml + 2 * s), l = __ldcg(ml + 2 * s + 1);
+      if (l == 0.f) continue;  // an empty chunk
+      const float w = __expf(m - mx);
+      total += w * l;
+      o += w * __ldcg(part_o + (th * n_chunks + s) * D + d);
+    }
+    out[th * D + d] = total > 0.f ? o / total : 0.f;
+  }
+}
+
+// Per (token, head): how many of its chunks' blocks have written their sums (the last one combines
+// them and sets it back to 0). A decode step's attention launches follow one another on one stream.
+constexpr int ATT_MAX_DONE = 4096;
+__device__ unsigned int att_done[ATT_MAX_DONE];
+
+// One token's new k/v rows (T = 1, HS_CUDA_FUSE not 0): the kv_store kernel folded in. Blocks read
+// them from here as the cache would hold them, and the block of the first query head of each key/
+// value head whose chunk holds the token's position writes them into the cache; no block reads that
+// cache row in this launch.
+struct NewKV {
+  const float* k;  // [Hkv, D] with stride skh (null: the rows are in the cache already)
+  const float* v;
+  int64_t skh, svh;
+};
+
 // One block per (token, query head, chunk of cache positions): the chunk's scores (a warp per cache
 // row), their softmax with the chunk's own maximum, the weighted sum of its V rows (threads over
-// head_dim). With one chunk the block writes the output; with several it writes (sum, max, total)
-// for attention_combine_kernel. One block per head left most of the GPU idle: ~24 us per layer of a
-// 7B decode step at a 256-position cache.
+// head_dim). With one chunk the block writes the output; with several it writes (sum, max, total),
+// which the (token, head)'s last block to finish combines (combine_here, counting in att_done; else
+// the combine kernel does). One block per head left most of the GPU idle: ~24 us per layer of a 7B decode step at a
+// 256-position cache.
 template <typename C, int KU, int VU>
 __global__ void __launch_bounds__(32 * ATT_WARPS)
-attention_kernel(const float* q, int64_t sqt, int64_t sqh, const C* kc, const C* vc, const int64_t* pos,
+attention_kernel(const float* q, int64_t sqt, int64_t sqh, C* kc, C* vc, const int64_t* pos,
                  int Hq, int group, int64_t n_ctx, int D, int64_t kv_len, int64_t window, float scale, int chunk,
-                 int n_chunks, float* out, float* part_o, float* part_ml) {
+                 int n_chunks, float* out, float* part_o, float* part_ml, NewKV nkv, bool combine_here) {
   pdl_wait();
   pdl_launch_dependents();
   __shared__ float qs[ATT_MAX_D], scores[ATT_MAX_CHUNK];
+  __shared__ bool last_block;
   const int th = blockIdx.x, s = blockIdx.y, t = th / Hq, h = th % Hq, hk = h / group;
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int64_t p = pos[t];
@@ -127,28 +173,38 @@ attention_kernel(const float* q, int64_t sqt, int64_t sqh, const C* kc, const C*
   const int64_t c0 = max(first, static_cast<int64_t>(s) * chunk);
   const int64_t c1 = min(last, static_cast<int64_t>(s) * chunk + chunk - 1);
   const int n = c1 >= c0 ? static_cast<int>(c1 - c0 + 1) : 0;
+  // the new row, where this chunk holds it, is its last (c1 = p)
+  const bool has_new = nkv.k != nullptr && n > 0 && c1 == p;
+  const float* kn = has_new ? nkv.k + hk * nkv.skh : nullptr;
+  const float* vn = has_new ? nkv.v + hk * nkv.svh : nullptr;
+  if (nkv.k != nullptr && h % group == 0 && p < n_ctx && p / chunk == s)  // the one block that stores them
+    for (int d = tid; d < D; d += blockDim.x) {
+      from_f(nkv.k[hk * nkv.skh + d], kc + (static_cast<int64_t>(hk) * n_ctx + p) * D + d);
+      from_f(nkv.v[hk * nkv.svh + d], vc + (static_cast<int64_t>(hk) * n_ctx + p) * D + d);
+    }
   if (n == 0) {  // a chunk outside the causal (or sliding) window
     if (n_chunks == 1) {
       for (int d = tid; d < D; d += blockDim.x) out[static_cast<int64_t>(th) * D + d] = 0.f;
-    } else {
-      for (int d = tid; d < D; d += blockDim.x) part_o[(static_cast<int64_t>(th) * n_chunks + s) * D + d] = 0.f;
-      if (tid == 0) {
-        part_ml[(static_cast<int64_t>(th) * n_chunks + s) * 2] = -INFINITY;
-        part_ml[(static_cast<int64_t>(th) * n_chunks + s) * 2 + 1] = 0.f;
-      }
+      return;
     }
-    return;
-  }
+    for (int d = tid; d < D; d += blockDim.x) part_o[(static_cast<int64_t>(th) * n_chunks + s) * D + d] = 0.f;
+    if (tid == 0) {
+      part_ml[(static_cast<int64_t>(th) * n_chunks + s) * 2] = -INFINITY;
+      part_ml[(static_cast<int64_t>(th) * n_chunks + s) * 2 + 1] = 0.f;
+    }
+  } else {
   for (int d = tid; d < D; d += blockDim.x) qs[d] = q[t * sqt + h * sqh + d] * scale;
   const C* kbase = kc + (static_cast<int64_t>(hk) * n_ctx + c0) * D;
   const C* vbase = vc + (static_cast<int64_t>(hk) * n_ctx + c0) * D;
+  const int n_cached = has_new ? n - 1 : n;  // rows read from the cache
   __syncthreads();
   for (int i0 = warp; i0 < n; i0 += ATT_WARPS * KU) {
     float part[KU];
 #pragma unroll
     for (int u = 0; u < KU; ++u) {
       const int i = i0 + u * ATT_WARPS;
-      part[u] = i < n ? lane_dot(kbase + static_cast<int64_t>(i) * D, qs, D, lane) : 0.f;
+      part[u] = i < n_cached ? lane_dot(kbase + static_cast<int64_t>(i) * D, qs, D, lane)
+                             : (i < n ? lane_dot_new<C>(kn, qs, D, lane) : 0.f);
     }
 #pragma unroll
     for (int u = 0; u < KU; ++u) {
@@ -171,47 +227,46 @@ attention_kernel(const float* q, int64_t sqt, int64_t sqh, const C* kc, const C*
   for (int d = tid; d < D; d += blockDim.x) {
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
     int i = 0;
-    for (; i + VU <= n; i += VU) {  // the loads first, all in flight at once
+    for (; i + VU <= n_cached; i += VU) {  // the loads first, all in flight at once
       float vv[VU];
 #pragma unroll
       for (int j = 0; j < VU; ++j) vv[j] = to_f(vbase[static_cast<int64_t>(i + j) * D + d]);
 #pragma unroll
       for (int j = 0; j < VU; ++j) acc[j % 4] += scores[i + j] * vv[j];
     }
-    for (; i + 4 <= n; i += 4)
+    for (; i + 4 <= n_cached; i += 4)
 #pragma unroll
       for (int j = 0; j < 4; ++j) acc[j] += scores[i + j] * to_f(vbase[static_cast<int64_t>(i + j) * D + d]);
-    for (; i < n; ++i) acc[0] += scores[i] * to_f(vbase[static_cast<int64_t>(i) * D + d]);
+    for (; i < n_cached; ++i) acc[0] += scores[i] * to_f(vbase[static_cast<int64_t>(i) * D + d]);
+    if (has_new) acc[0] += scores[n - 1] * cache_round<C>(vn[d]);
     const float o = (acc[0] + acc[1]) + (acc[2] + acc[3]);
     if (n_chunks == 1) out[static_cast<int64_t>(th) * D + d] = o / sum;
     else part_o[(static_cast<int64_t>(th) * n_chunks + s) * D + d] = o;
   }
-  if (n_chunks > 1 && tid == 0) {
+  if (n_chunks == 1) return;
+  if (tid == 0) {
     part_ml[(static_cast<int64_t>(th) * n_chunks + s) * 2] = mx;
     part_ml[(static_cast<int64_t>(th) * n_chunks + s) * 2 + 1] = sum;
   }
+  }
+  if (!combine_here) return;
+  // the last of the (token, head)'s blocks to get here combines the chunks (threadFenceReduction)
+  __threadfence();
+  __syncthreads();
+  if (tid == 0) last_block = atomicAdd(att_done + th, 1u) == static_cast<unsigned>(n_chunks - 1);
+  __syncthreads();
+  if (!last_block) return;
+  __threadfence();
+  combine_chunks(part_o, part_ml, n_chunks, D, th, out);
+  if (tid == 0) att_done[th] = 0;
 }
 
-// The chunks of one (token, head) rescaled to their common maximum and added: a block per (token,
-// head), threads over head_dim.
+// The chunks of one (token, head) combined: a block per (token, head), threads over head_dim.
 __global__ void attention_combine_kernel(const float* part_o, const float* part_ml, int n_chunks, int D,
                                          float* out) {
   pdl_wait();
   pdl_launch_dependents();
-  const int64_t th = blockIdx.x;
-  const float* ml = part_ml + th * n_chunks * 2;
-  float mx = -INFINITY;
-  for (int s = 0; s < n_chunks; ++s) mx = fmaxf(mx, ml[2 * s]);
-  for (int d = threadIdx.x; d < D; d += blockDim.x) {
-    float o = 0.f, total = 0.f;
-    for (int s = 0; s < n_chunks; ++s) {
-      if (ml[2 * s + 1] == 0.f) continue;  // an empty chunk
-      const float w = __expf(ml[2 * s] - mx);
-      total += w * ml[2 * s + 1];
-      o += w * part_o[(th * n_chunks + s) * D + d];
-    }
-    out[th * D + d] = total > 0.f ? o / total : 0.f;
-  }
+  combine_chunks(part_o, part_ml, n_chunks, D, blockIdx.x, out);
 }
 
 // The sum of v over the block, in every thread (part: 32 floats of shared memory, free on entry)
@@ -257,18 +312,6 @@ __global__ void layer_norm_kernel(const float* x, const float* w, const float* b
   }
   const float rstd = rsqrtf(block_sum(ss, part) / static_cast<float>(D) + eps);
   for (int64_t i = threadIdx.x; i < D; i += blockDim.x) yr[i] = (xr[i] - mean) * rstd * w[i] + (b ? b[i] : 0.f);
-}
-
-__device__ __forceinline__ float act_f(float x, int act) {
-  switch (act) {
-    case 0: return x / (1.f + __expf(-x));
-    case 1: return fmaxf(x, 0.f);
-    case 2: {
-      const float c = 0.7978845608028654f;  // sqrt(2 / pi)
-      return 0.5f * x * (1.f + tanhf(c * (x + 0.044715f * x * x * x)));
-    }
-    default: return 0.5f * x * (1.f + erff(x * 0.7071067811865476f));
-  }
 }
 
 __global__ void gated_act_kernel(const float* g, int64_t sg, const float* u, int64_t su, float* y, int64_t N,
@@ -320,21 +363,29 @@ int attention_chunks(int64_t T, int Hq, int64_t kv_len) {
   return static_cast<int>((kv_len + chunk - 1) / chunk);
 }
 
-void launch_attention(const float* q, int64_t sqt, int64_t sqh, const void* kc, const void* vc, bool half_cache,
+// k/v [T, Hkv, D] (strides skt, skh / svt, svh) stored into the cache at their positions, then the
+// attention of q over it. HS_CUDA_FUSE=0 keeps the older three kernels (store, attend, combine) for
+// side-by-side runs; otherwise one token's store and the combine happen inside the attention kernel.
+void launch_attention(const float* q, int64_t sqt, int64_t sqh, const float* k, const float* v, int64_t skt,
+                      int64_t skh, int64_t svt, int64_t svh, void* kc, void* vc, bool half_cache,
                       const int64_t* pos, int64_t T, int Hq, int Hkv, int64_t n_ctx, int D, int64_t kv_len,
                       int64_t window, float scale, float* out, float* part_o, float* part_ml, cudaStream_t stream) {
   const int chunk = attention_chunk(T, Hq, kv_len), n_chunks = attention_chunks(T, Hq, kv_len);
+  const bool fuse = !env_off("HS_CUDA_FUSE");
+  const NewKV nkv = fuse && T == 1 ? NewKV{k, v, skh, svh} : NewKV{nullptr, nullptr, 0, 0};
+  if (nkv.k == nullptr) launch_kv_store(k, v, skt, skh, svt, svh, kc, vc, half_cache, pos, T, Hkv, n_ctx, D, stream);
+  const bool combine_here = fuse && n_chunks > 1 && T * Hq <= ATT_MAX_DONE;
   const dim3 grid(static_cast<unsigned>(T * Hq), static_cast<unsigned>(n_chunks)), block(32 * ATT_WARPS);
   const bool unrolled = !env_off("HS_CUDA_ATT_UNROLL");
   if (half_cache)
     launch(unrolled ? attention_kernel<__half, ATT_UNROLL, ATT_V_UNROLL> : attention_kernel<__half, 4, 4>, grid, block,
-           0, stream, q, sqt, sqh, static_cast<const __half*>(kc), static_cast<const __half*>(vc), pos, Hq, Hq / Hkv,
-           n_ctx, D, kv_len, window, scale, chunk, n_chunks, out, part_o, part_ml);
+           0, stream, q, sqt, sqh, static_cast<__half*>(kc), static_cast<__half*>(vc), pos, Hq, Hq / Hkv,
+           n_ctx, D, kv_len, window, scale, chunk, n_chunks, out, part_o, part_ml, nkv, combine_here);
   else
     launch(unrolled ? attention_kernel<float, ATT_UNROLL, ATT_V_UNROLL> : attention_kernel<float, 4, 4>, grid, block,
-           0, stream, q, sqt, sqh, static_cast<const float*>(kc), static_cast<const float*>(vc), pos, Hq, Hq / Hkv,
-           n_ctx, D, kv_len, window, scale, chunk, n_chunks, out, part_o, part_ml);
-  if (n_chunks > 1)
+           0, stream, q, sqt, sqh, static_cast<float*>(kc), static_cast<float*>(vc), pos, Hq, Hq / Hkv,
+           n_ctx, D, kv_len, window, scale, chunk, n_chunks, out, part_o, part_ml, nkv, combine_here);
+  if (n_chunks > 1 && !combine_here)
     launch(attention_combine_kernel, dim3(static_cast<unsigned>(T * Hq)), dim3(D <= 128 ? 128 : 256), 0, stream,
            part_o, part_ml, n_chunks, D, out);
 }

@@ -18,12 +18,15 @@ int64_t rowdot_scratch_bytes(int64_t qtype, int64_t T, int64_t K, const void* w,
 void launch_axpy(int64_t qtype, const uint8_t* w, int64_t row_bytes, const float* h, int64_t n_rows,
                  const int32_t* idx, int64_t D, float* y, int T, cudaStream_t stream);
 int cuda_max_tokens();
+void launch_rowdot_fused(int64_t qtype, const uint8_t* w, int64_t row_bytes, const float* x, int64_t K,
+                         int64_t n_out, float* y, int T, const float* nw, const float* nb, float eps, int norm,
+                         int act, bool act_on_up, cudaStream_t stream);
+int fused_max_tokens();
+int64_t fused_max_smem();
 void launch_rope(float* x, int64_t st, int64_t sh, int64_t T, int H, int half, const float* cos, const float* sin,
                  bool neox, cudaStream_t stream);
-void launch_kv_store(const float* k, const float* v, int64_t skt, int64_t skh, int64_t svt, int64_t svh,
-                     void* kc, void* vc, bool half_cache, const int64_t* pos, int64_t T, int Hkv, int64_t n_ctx,
-                     int D, cudaStream_t stream);
-void launch_attention(const float* q, int64_t sqt, int64_t sqh, const void* kc, const void* vc, bool half_cache,
+void launch_attention(const float* q, int64_t sqt, int64_t sqh, const float* k, const float* v, int64_t skt,
+                      int64_t skh, int64_t svt, int64_t svh, void* kc, void* vc, bool half_cache,
                       const int64_t* pos, int64_t T, int Hq, int Hkv, int64_t n_ctx, int D, int64_t kv_len,
                       int64_t window, float scale, float* out, float* part_o, float* part_ml, cudaStream_t stream);
 int attention_chunks(int64_t T, int Hq, int64_t kv_len);
@@ -115,6 +118,46 @@ at::Tensor matmul_add_cuda(const at::Tensor& w, int64_t qtype, const at::Tensor&
   return rowdot_cuda(w, qtype, x, c10::nullopt, c10::nullopt, &res);
 }
 
+// The decode GEMV with the layer's norm before it and, for act >= 0, the gated activation after it:
+// norm 0 none, 1 RMS norm (norm_w), 2 layer norm (norm_w, norm_b); act >= 0: W is [2N, K], gate rows
+// then up rows, and y [T, N] = act(gate . x) * (up . x) (act_on_up: act(up . x)).
+at::Tensor rowdot_fused_cuda(const at::Tensor& w, int64_t qtype, const at::Tensor& x,
+                             const c10::optional<at::Tensor>& norm_w, const c10::optional<at::Tensor>& norm_b,
+                             double eps, int64_t norm, int64_t act, bool act_on_up) {
+  const int64_t K = check_weight("rowdot_fused", w, qtype);
+  HS_CHECK(qtype != Q4_0, "rowdot_fused (CUDA): Q4_0 rows are not supported (F16, BF16 and Q8_0 are)");
+  HS_CHECK(x.is_cuda() && x.device() == w.device() && x.dim() == 2 && x.scalar_type() == at::kFloat &&
+           x.is_contiguous() && x.size(1) == K && reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0,
+           "rowdot_fused (CUDA): x must be a contiguous, 16-byte aligned float32 [tokens, ", K,
+           "] tensor on the weight's GPU");
+  const int64_t T = x.size(0);
+  HS_CHECK(T >= 1 && T <= fused_max_tokens() && T * K * 4 <= fused_max_smem(), "rowdot_fused (CUDA): ", T,
+           " tokens of ", K, " features do not fit (at most ", fused_max_tokens(), " tokens and ",
+           fused_max_smem(), " bytes of x)");
+  HS_CHECK(norm >= 0 && norm <= 2 && act >= -1 && act <= 3, "rowdot_fused (CUDA): norm must be 0-2, act -1..3");
+  auto vec_ok = [&](const c10::optional<at::Tensor>& v) {
+    return v && v->is_cuda() && v->device() == x.device() && v->scalar_type() == at::kFloat && v->dim() == 1 &&
+           v->size(0) == K && v->is_contiguous();
+  };
+  HS_CHECK(norm == 0 || vec_ok(norm_w), "rowdot_fused (CUDA): the norm weight must be a contiguous float32 [", K,
+           "] vector on x's GPU");
+  HS_CHECK(!norm_b || (norm == 2 && vec_ok(norm_b)), "rowdot_fused (CUDA): a norm bias needs norm 2 (layer norm) "
+           "and must be a contiguous float32 [", K, "] vector on x's GPU");
+  HS_CHECK(act < 0 || w.size(0) % 2 == 0, "rowdot_fused (CUDA): a gated activation needs gate rows then up rows, got ",
+           w.size(0), " rows");
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int64_t n_out = act >= 0 ? w.size(0) / 2 : w.size(0);
+  auto y = at::empty({T, n_out}, x.options());
+  if (n_out == 0) return y;
+  launch_rowdot_fused(qtype, static_cast<const uint8_t*>(w.data_ptr()), w.size(1) * w.element_size(),
+                      x.data_ptr<float>(), K, n_out, y.data_ptr<float>(), static_cast<int>(T),
+                      norm ? norm_w->data_ptr<float>() : nullptr, norm_b ? norm_b->data_ptr<float>() : nullptr,
+                      static_cast<float>(eps), static_cast<int>(norm), static_cast<int>(act), act_on_up,
+                      c10::cuda::getCurrentCUDAStream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return y;
+}
+
 // y[T, D] = h[T, n] . W_t[rows], rows = idx (or all); rows whose h is zero for every token are skipped.
 at::Tensor sparse_axpy_cuda(const at::Tensor& w, int64_t qtype, const at::Tensor& h,
                             const c10::optional<at::Tensor>& idx) {
@@ -172,10 +215,6 @@ at::Tensor attention_cuda(const at::Tensor& q, const at::Tensor& k, const at::Te
   const c10::cuda::CUDAGuard guard(q.device());
   auto stream = c10::cuda::getCurrentCUDAStream();
   const int64_t n_ctx = k_cache.size(1);
-  launch_kv_store(k.data_ptr<float>(), v.data_ptr<float>(), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                  k_cache.data_ptr(), v_cache.data_ptr(), half_cache, positions.data_ptr<int64_t>(), T,
-                  static_cast<int>(Hkv), n_ctx, static_cast<int>(D), stream);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
   auto out = at::empty({T, Hq * D}, q.options());
   if (T == 0) return out;
   // the chunks' partial sums (split-KV); none when one chunk covers the cache
@@ -183,7 +222,8 @@ at::Tensor attention_cuda(const at::Tensor& q, const at::Tensor& k, const at::Te
   auto part = at::empty({n_chunks > 1 ? T * Hq * n_chunks * (D + 2) : 0}, q.options());
   float* part_o = n_chunks > 1 ? part.data_ptr<float>() : nullptr;
   float* part_ml = n_chunks > 1 ? part_o + T * Hq * n_chunks * D : nullptr;
-  launch_attention(q.data_ptr<float>(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(), half_cache,
+  launch_attention(q.data_ptr<float>(), q.stride(0), q.stride(1), k.data_ptr<float>(), v.data_ptr<float>(), k.stride(0),
+                   k.stride(1), v.stride(0), v.stride(1), k_cache.data_ptr(), v_cache.data_ptr(), half_cache,
                    positions.data_ptr<int64_t>(), T, static_cast<int>(Hq), static_cast<int>(Hkv), n_ctx,
                    static_cast<int>(D), kv_len, window, static_cast<float>(scale), out.data_ptr<float>(), part_o,
                    part_ml, stream);
@@ -238,6 +278,7 @@ TORCH_LIBRARY_IMPL(hybridsparse, CUDA, m) {
   m.impl("qmatmul", &hs::qmatmul_cuda);
   m.impl("sparse_rowdot", &hs::sparse_rowdot_cuda);
   m.impl("matmul_add", &hs::matmul_add_cuda);
+  m.impl("rowdot_fused", &hs::rowdot_fused_cuda);
   m.impl("sparse_axpy", &hs::sparse_axpy_cuda);
   m.impl("rope_", &hs::rope_cuda);
   m.impl("attention", &hs::attention_cuda);

@@ -19,7 +19,9 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdlib>
 
+#include "cuda_device.h"
 #include "cuda_launch.h"
 #include "quant_blocks.h"
 
@@ -113,12 +115,6 @@ template <> struct Unit<Q4_0> {  // half a block: both nibbles of 8 bytes (eleme
     return (u >> 1) * QK + (i >> 3) * 16 + (u & 1) * 8 + (i & 7);
   }
 };
-
-__device__ __forceinline__ float warp_sum(float s) {
-#pragma unroll
-  for (int off = 16; off > 0; off /= 2) s += __shfl_xor_sync(0xffffffff, s, off);
-  return s;
-}
 
 // What a row-dot lane adds for one unit of a row and each token: the unit's weights against x.
 // FloatX reads x as float32 (F16, BF16, and block formats whose x is not quantized); QuantX reads
@@ -261,6 +257,163 @@ rowdot_kernel(const uint8_t* __restrict__ w, int64_t row_bytes, X x, int64_t K,
     for (int64_t u = slice * per_slice + lane; u < u_end; u += 32) x.template add<QT, T>(wr, u, acc);
   }
   rowdot_store<T, S>(acc, k, n_out, y, res);
+}
+
+// FloatX with x in shared memory (the fused row-dot below stages the normalized x there)
+struct SmemX {
+  const float* x;
+  int64_t K;
+  template <int64_t QT, int T>
+  __device__ __forceinline__ void add(const uint8_t* wr, int64_t u, float* acc) const {
+    using U = Unit<QT>;
+    float q[U::W];
+    const float d = U::load(wr, u, q);
+#pragma unroll
+    for (int t = 0; t < T; ++t) {
+      float s = 0.f;
+#pragma unroll
+      for (int c = 0; c < U::W; c += 8) {
+        const float4* p = reinterpret_cast<const float4*>(x + t * K + U::col(u, c));
+        const float4 a = p[0], b = p[1];
+        s += q[c] * a.x + q[c + 1] * a.y + q[c + 2] * a.z + q[c + 3] * a.w + q[c + 4] * b.x + q[c + 5] * b.y +
+             q[c + 6] * b.z + q[c + 7] * b.w;
+      }
+      acc[t] += d * s;
+    }
+  }
+};
+
+// What the fused row-dot does around its GEMV: the norm of x before it (NORM_RMS: x * rsqrt(mean(x^2) +
+// eps) * w; NORM_LAYER: (x - mean) * rstd * w + b) and, with act >= 0, the gated activation after it.
+enum { NORM_NONE = 0, NORM_RMS = 1, NORM_LAYER = 2 };
+struct Fusion {
+  const float* __restrict__ nw;  // norm weight [K] (NORM_NONE: unused)
+  const float* __restrict__ nb;  // layer norm bias [K] or null
+  float eps;
+  int norm;
+  int act;         // -1: rows are outputs; else rows are [gate (n_out); up (n_out)], y = act(gate) * up
+  bool act_on_up;  // act(gate) * act(up) (dReLU)
+};
+
+// x [T, K] into shared memory, normalized per token as f says: the whole block sums, every thread
+// finds the totals (red: 8 x T floats of shared memory)
+template <int T>
+__device__ __forceinline__ void stage_normed_x(const float* __restrict__ x, int64_t K, const Fusion& f, float* xs,
+                                               float (*red)[T]) {
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int64_t n4 = T * K / 4;
+  for (int64_t i = tid; i < n4; i += blockDim.x)
+    reinterpret_cast<float4*>(xs)[i] = __ldg(reinterpret_cast<const float4*>(x) + i);
+  __syncthreads();
+  if (f.norm == NORM_NONE) return;
+  float mean[T], rstd[T];
+#pragma unroll
+  for (int t = 0; t < T; ++t) mean[t] = 0.f;
+  if (f.norm == NORM_LAYER) {
+    float s[T];
+#pragma unroll
+    for (int t = 0; t < T; ++t) {
+      s[t] = 0.f;
+      for (int64_t i = tid; i < K; i += blockDim.x) s[t] += xs[t * K + i];
+      s[t] = warp_sum(s[t]);
+      if (lane == 0) red[warp][t] = s[t];
+    }
+    __syncthreads();
+#pragma unroll
+    for (int t = 0; t < T; ++t) {
+      float m = 0.f;
+      for (int j = 0; j < DOT_WARPS; ++j) m += red[j][t];
+      mean[t] = m / static_cast<float>(K);
+    }
+    __syncthreads();  // red is reused below
+  }
+#pragma unroll
+  for (int t = 0; t < T; ++t) {
+    float ss = 0.f;
+    for (int64_t i = tid; i < K; i += blockDim.x) {
+      const float d = xs[t * K + i] - mean[t];
+      ss += d * d;
+    }
+    ss = warp_sum(ss);
+    if (lane == 0) red[warp][t] = ss;
+  }
+  __syncthreads();
+#pragma unroll
+  for (int t = 0; t < T; ++t) {
+    float ss = 0.f;
+    for (int j = 0; j < DOT_WARPS; ++j) ss += red[j][t];
+    rstd[t] = rsqrtf(ss / static_cast<float>(K) + f.eps);
+  }
+  for (int64_t i = tid; i < T * K; i += blockDim.x) {
+    const int t = static_cast<int>(i / K);
+    const int64_t c = i - t * K;
+    float m = 0.f, r = 0.f;
+#pragma unroll
+    for (int j = 0; j < T; ++j)
+      if (j == t) m = mean[j], r = rstd[j];
+    xs[i] = (xs[i] - m) * r * f.nw[c] + (f.nb ? f.nb[c] : 0.f);
+  }
+  __syncthreads();
+}
+
+// A decode GEMV over every row with what surrounds it in a layer folded in (HS_CUDA_FUSE=0: not used,
+// see runtime/kernels.py): each block normalizes x into shared memory itself (a few microseconds of
+// L2 reads and sums, while the L2 prefetch of its rows' first bytes is in flight), so the norm kernel
+// and its launch before the q/k/v and gate/up GEMVs go; and with act >= 0 a block's warps read gate
+// row k and up row k side by side and write act(gate . x) * (up . x), so the gated-activation kernel
+// goes too. Blocks as rowdot_kernel's: S warps per row.
+template <int64_t QT, int T, int S>
+__global__ void __launch_bounds__(32 * DOT_WARPS)
+rowdot_fused_kernel(const uint8_t* __restrict__ w, int64_t row_bytes, const float* __restrict__ x, int64_t K,
+                    int64_t n_out, float* __restrict__ y, Fusion f) {
+  extern __shared__ float4 smem[];
+  __shared__ float red[DOT_WARPS][T];
+  constexpr int ROWS = DOT_WARPS / S;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, slice = warp % S, r = warp / S;
+  const bool gated = f.act >= 0;
+  // gated: the block's outputs are ROWS / 2 neurons, warps r = 2j (gate) and 2j + 1 (up) for neuron j
+  const int64_t k = gated ? static_cast<int64_t>(blockIdx.x) * (ROWS / 2) + r / 2 : static_cast<int64_t>(blockIdx.x) * ROWS + r;
+  const int64_t row = gated && (r & 1) ? n_out + k : k;
+  if (k < n_out) prefetch_row_start(w + row * row_bytes, row_bytes, S, slice, lane);
+  pdl_wait();
+  pdl_launch_dependents();
+  float* xs = reinterpret_cast<float*>(smem);
+  stage_normed_x<T>(x, K, f, xs, red);
+  using U = Unit<QT>;
+  const SmemX sx{xs, K};
+  float acc[T];
+#pragma unroll
+  for (int t = 0; t < T; ++t) acc[t] = 0.f;
+  if (k < n_out) {
+    const uint8_t* wr = w + row * row_bytes;
+    const int64_t units = K / U::W;
+    const int64_t per_slice = (units + S - 1) / S;
+    const int64_t u_end = min(units, (slice + 1) * per_slice);
+#pragma unroll 4
+    for (int64_t u = slice * per_slice + lane; u < u_end; u += 32) sx.template add<QT, T>(wr, u, acc);
+  }
+  if (!gated) return rowdot_store<T, S>(acc, k, n_out, y, nullptr);
+  __shared__ float part[DOT_WARPS][T];
+#pragma unroll
+  for (int t = 0; t < T; ++t) acc[t] = warp_sum(acc[t]);
+  if (lane == 0)
+#pragma unroll
+    for (int t = 0; t < T; ++t) part[warp][t] = acc[t];
+  __syncthreads();
+  const int tid = threadIdx.x;
+  if (tid < (ROWS / 2) * T) {
+    const int j = tid / T, t = tid % T;
+    const int64_t kk = static_cast<int64_t>(blockIdx.x) * (ROWS / 2) + j;
+    if (kk < n_out) {
+      float g = 0.f, u = 0.f;
+#pragma unroll
+      for (int s = 0; s < S; ++s) {
+        g += part[(2 * j) * S + s][t];
+        u += part[(2 * j + 1) * S + s][t];
+      }
+      y[t * n_out + kk] = act_f(g, f.act) * (f.act_on_up ? act_f(u, f.act) : u);
+    }
+  }
 }
 
 // Q4_0 rows a whole block per lane: a warp copies 32 consecutive blocks of its row (576 bytes, which
@@ -446,12 +599,21 @@ axpy_kernel(const uint8_t* __restrict__ w, int64_t row_bytes, const float* __res
   }
 }
 
+// Warps per row (S) of a row-dot over n_rows rows: 1, or 2 / 4 where fewer would leave the GPU short
+// of warps in flight: 132 * 32 (an H100/H200's SMs at half occupancy) by default; HS_CUDA_WANT_WARPS
+// sets that target for side-by-side runs (132 * 64: full occupancy, so a 4096-row GEMV such as a 7B
+// layer's attention output or down projection gets two warps a row).
+int row_split(int64_t n_rows) {
+  const char* v = std::getenv("HS_CUDA_WANT_WARPS");
+  const int64_t want = v && std::atoll(v) > 0 ? std::atoll(v) : 132 * 32;
+  return n_rows * 2 >= want ? 1 : (n_rows * 4 >= want ? 2 : 4);
+}
+
 // rowdot_kernel, or with STAGED rowdot_staged_kernel (Q4_0 or Q8_0 rows, X = QuantX)
 template <int64_t QT, int T, bool STAGED, typename X>
 void rowdot_launch_t(const uint8_t* w, int64_t row_bytes, X x, int64_t K, const int32_t* idx,
                      const bool* mask, int64_t n_out, float* y, const float* res, cudaStream_t stream) {
-  constexpr int64_t WANT_WARPS = 132 * 32;  // enough warps in flight on an H100/H200
-  const int S = n_out * 2 >= WANT_WARPS ? 1 : (n_out * 4 >= WANT_WARPS ? 2 : 4);
+  const int S = row_split(n_out);
   const int64_t rows_per_block = DOT_WARPS / S;
   const dim3 grid((n_out + rows_per_block - 1) / rows_per_block), block(32 * DOT_WARPS);
   const bool early = pdl_enabled();  // launched early: prefetch before waiting
@@ -478,6 +640,29 @@ void rowdot_launch(const uint8_t* w, int64_t row_bytes, X x, int64_t K, const in
     case 6: rowdot_launch_t<QT, 6, STAGED>(w, row_bytes, x, K, idx, mask, n_out, y, res, stream); break;
     case 7: rowdot_launch_t<QT, 7, STAGED>(w, row_bytes, x, K, idx, mask, n_out, y, res, stream); break;
     default: rowdot_launch_t<QT, 8, STAGED>(w, row_bytes, x, K, idx, mask, n_out, y, res, stream); break;
+  }
+}
+
+template <int64_t QT, int T>
+void rowdot_fused_launch_t(const uint8_t* w, int64_t row_bytes, const float* x, int64_t K, int64_t n_out, float* y,
+                           const Fusion& f, cudaStream_t stream) {
+  const int S = row_split(f.act >= 0 ? 2 * n_out : n_out);
+  const int64_t outs_per_block = (DOT_WARPS / S) / (f.act >= 0 ? 2 : 1);
+  const dim3 grid((n_out + outs_per_block - 1) / outs_per_block), block(32 * DOT_WARPS);
+  const size_t smem = static_cast<size_t>(T * K) * sizeof(float);
+  if (S == 1) launch(rowdot_fused_kernel<QT, T, 1>, grid, block, smem, stream, w, row_bytes, x, K, n_out, y, f);
+  else if (S == 2) launch(rowdot_fused_kernel<QT, T, 2>, grid, block, smem, stream, w, row_bytes, x, K, n_out, y, f);
+  else launch(rowdot_fused_kernel<QT, T, 4>, grid, block, smem, stream, w, row_bytes, x, K, n_out, y, f);
+}
+
+template <int64_t QT>
+void rowdot_fused_launch(const uint8_t* w, int64_t row_bytes, const float* x, int64_t K, int64_t n_out, float* y,
+                         int T, const Fusion& f, cudaStream_t stream) {
+  switch (T) {
+    case 1: return rowdot_fused_launch_t<QT, 1>(w, row_bytes, x, K, n_out, y, f, stream);
+    case 2: return rowdot_fused_launch_t<QT, 2>(w, row_bytes, x, K, n_out, y, f, stream);
+    case 3: return rowdot_fused_launch_t<QT, 3>(w, row_bytes, x, K, n_out, y, f, stream);
+    default: return rowdot_fused_launch_t<QT, 4>(w, row_bytes, x, K, n_out, y, f, stream);
   }
 }
 
@@ -554,6 +739,23 @@ void launch_axpy(int64_t qtype, const uint8_t* w, int64_t row_bytes, const float
     default: axpy_launch<Q4_0>(w, row_bytes, h, n_rows, idx, D, y, T, stream); break;
   }
 }
+
+// The fused decode GEMV (rowdot_fused_kernel): y [T, n_out]; rows [n_out, K], or [2 n_out, K] (gate
+// rows, then up rows) when act >= 0. F16, BF16 and Q8_0 rows (the types that read float x); x staged
+// in T * K * 4 bytes of shared memory (the caller keeps that within 48 KiB, T <= 4).
+void launch_rowdot_fused(int64_t qtype, const uint8_t* w, int64_t row_bytes, const float* x, int64_t K,
+                         int64_t n_out, float* y, int T, const float* nw, const float* nb, float eps, int norm,
+                         int act, bool act_on_up, cudaStream_t stream) {
+  const Fusion f{nw, nb, eps, norm, act, act_on_up};
+  switch (qtype) {
+    case F16: return rowdot_fused_launch<F16>(w, row_bytes, x, K, n_out, y, T, f, stream);
+    case BF16: return rowdot_fused_launch<BF16>(w, row_bytes, x, K, n_out, y, T, f, stream);
+    default: return rowdot_fused_launch<Q8_0>(w, row_bytes, x, K, n_out, y, T, f, stream);
+  }
+}
+
+int fused_max_tokens() { return 4; }
+int64_t fused_max_smem() { return 48 * 1024; }
 
 int cuda_max_tokens() { return 8; }
 

@@ -39,6 +39,12 @@ CUDA_MAX_GEMV_TOKENS = 8  # csrc/cuda_sparse.cu: cuda_max_tokens()
 # Decode-sized float16/bfloat16 matmuls on the GPU: "ours" (csrc/cuda_sparse.cu) or "cublas"
 # (torch's F.linear); HS_CUDA_GEMV picks, for side-by-side benchmarks.
 CUDA_GEMV = os.environ.get("HS_CUDA_GEMV", "ours")
+# A layer's norm before its q/k/v and gate/up GEMVs, and the gated activation after gate/up, folded
+# into those GEMVs on CUDA (`matmul_fused`); HS_CUDA_FUSE=0 runs them as kernels of their own, for
+# side-by-side benchmarks.
+CUDA_FUSE = os.environ.get("HS_CUDA_FUSE", "1") != "0"
+CUDA_FUSED_QTYPES = {Q.F16, Q.BF16, Q.Q8_0}  # csrc/cuda_sparse.cu rowdot_fused_kernel: rows read against float x
+CUDA_FUSED_MAX_TOKENS, CUDA_FUSED_MAX_X_BYTES = 4, 48 << 10  # fused_max_tokens(), fused_max_smem()
 # Block-format weights go through cuBLAS / torch a slice of rows at a time, dequantized to float32:
 # at most this many bytes of it per slice. Rows of 8192 elements 8192 at a time (as before) made
 # ~1 GiB of temporaries on the GPU during a 70B prefill (the S2 plan's peak went over its budget);
@@ -201,6 +207,10 @@ def _register_fakes() -> None:
     def _(w, qtype, x, res):
         return torch.empty_like(res)
 
+    @torch.library.register_fake("hybridsparse::rowdot_fused")
+    def _(w, qtype, x, norm_w, norm_b, eps, norm, act, act_on_up):
+        return x.new_empty((x.shape[0], w.shape[0] // 2 if act >= 0 else w.shape[0]))
+
     @torch.library.register_fake("hybridsparse::sparse_rowdot")
     def _(w, qtype, x, idx, mask):
         return x.new_empty((x.shape[0], w.shape[0] if idx is None else idx.shape[0]))
@@ -320,6 +330,64 @@ def matmul_add(x: torch.Tensor, data: torch.Tensor, qtype: Q, res: torch.Tensor)
 def matmul_add_reference(x: torch.Tensor, data: torch.Tensor, qtype: Q, res: torch.Tensor) -> torch.Tensor:
     """Twin of the CUDA `matmul_add` op."""
     return res + matmul_reference(x, data, qtype)
+
+
+class Norm:
+    """The norm a layer applies to x before a projection: RMS norm, or layer norm (with an optional
+    bias); calling it normalizes x, and `matmul_fused` folds it into a CUDA decode GEMV."""
+    __slots__ = ("weight", "eps", "bias", "layer")
+
+    def __init__(self, weight: torch.Tensor, eps: float, bias: torch.Tensor | None = None, layer: bool = False):
+        self.weight, self.eps, self.bias, self.layer = weight, eps, bias, layer
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return layer_norm(x, self.weight, self.bias, self.eps) if self.layer else rms_norm(x, self.weight, self.eps)
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        if self.layer:
+            return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
+        return rms_norm_reference(x, self.weight, self.eps)
+
+
+def fused_ok(x: torch.Tensor, data: torch.Tensor, qtype: Q, norm: Norm | None = None) -> bool:
+    """Whether `matmul_fused` runs as one CUDA kernel for this x and weight (else its parts run apart)."""
+    return CUDA_FUSE and data.is_cuda and qtype in CUDA_FUSED_QTYPES and x.is_cuda and x.dtype == torch.float32 \
+        and 1 <= x.shape[0] <= CUDA_FUSED_MAX_TOKENS and x.shape[0] * x.shape[1] * 4 <= CUDA_FUSED_MAX_X_BYTES \
+        and x.shape[1] % 4 == 0 and _cuda_sparse_ok(data, qtype, x.shape[0]) \
+        and (norm is None or (norm.weight.is_cuda and norm.weight.dtype == torch.float32
+                              and (norm.bias is None or norm.bias.dtype == torch.float32)))
+
+
+def matmul_fused(x: torch.Tensor, data: torch.Tensor, qtype: Q, norm: Norm | None = None, act: str | None = None,
+                 act_on_up: bool = False) -> torch.Tensor:
+    """`matmul` of norm(x) (norm None: x); with `act`, the rows are gate rows then up rows and the result
+    is act(gate) * up (act_on_up: * act(up)), [T, rows / 2]. One CUDA kernel where `fused_ok`, else
+    the twin's separate steps."""
+    if not fused_ok(x, data, qtype, norm):
+        return matmul_fused_reference(x, data, qtype, norm, act, act_on_up, step=matmul)
+    x = x.contiguous()
+    if x.data_ptr() % 16:
+        x = x.clone()
+    nw = None if norm is None else norm.weight.contiguous()
+    nb = None if norm is None or norm.bias is None else norm.bias.contiguous()
+    kind = 0 if norm is None else (2 if norm.layer else 1)
+    return ops().rowdot_fused(data, int(qtype), x, nw, nb, 0.0 if norm is None else float(norm.eps), kind,
+                              -1 if act is None else ACTIVATION_IDS[act], act_on_up)
+
+
+def matmul_fused_reference(x: torch.Tensor, data: torch.Tensor, qtype: Q, norm: Norm | None = None,
+                           act: str | None = None, act_on_up: bool = False, step=None) -> torch.Tensor:
+    """Twin of the CUDA `rowdot_fused` op: the norm, the matmul, the gated activation, one after
+    another (torch's ops; with `step` given, the norm and that matmul as the runtime runs them apart)."""
+    if norm is not None:
+        x = norm(x) if step is not None else norm.reference(x)
+    y = (step or matmul_reference)(x, data, qtype)
+    if act is None:
+        return y
+    from .layers import ACTIVATIONS
+    gate, up = y.chunk(2, dim=-1)
+    f = ACTIVATIONS[act]
+    return f(gate) * (f(up) if act_on_up else up)
 
 
 def matmul(x: torch.Tensor, data: torch.Tensor, qtype: Q) -> torch.Tensor:

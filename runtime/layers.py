@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from . import kernels
-from .weights import QWeight, linear, linear_add, linear_many, linear_t
+from .weights import QWeight, linear, linear_add, linear_many, linear_t, spanning
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -84,25 +84,35 @@ def gated_act(gate: torch.Tensor, up: torch.Tensor, spec: FFNSpec) -> torch.Tens
 FFN_PROBE = None
 
 
-def ffn(x: torch.Tensor, w: FFNWeights, spec: FFNSpec, residual: torch.Tensor | None = None) -> torch.Tensor:
-    """The FFN of x, plus `residual` where given: added by the down projection's GEMV where it can
-    (kernels.matmul_add: one kernel, not two, in a CUDA decode step), else afterwards."""
+def ffn(x: torch.Tensor, w: FFNWeights, spec: FFNSpec, residual: torch.Tensor | None = None,
+        norm: kernels.Norm | None = None) -> torch.Tensor:
+    """The FFN of x (of norm(x) where `norm` is given: on CUDA folded into the gate/up GEMV), plus
+    `residual` where given: added by the down projection's GEMV where it can (kernels.matmul_add: one
+    kernel, not two, in a CUDA decode step), else afterwards."""
     if residual is not None:
         if isinstance(w, FFNWeights) and not w.down_transposed and w.down_bias is None:
-            return linear_add(_ffn_hidden(x, w, spec), w.down, residual)
-        return residual + ffn(x, w, spec)
+            return linear_add(_ffn_hidden(x, w, spec, norm), w.down, residual)
+        return residual + ffn(x, w, spec, norm=norm)
     if not isinstance(w, FFNWeights):  # the hybrid runtime's split FFN (runtime/hybrid.py)
-        return w(x)
-    h = _ffn_hidden(x, w, spec)
+        return w(x if norm is None else norm(x))
+    h = _ffn_hidden(x, w, spec, norm)
     if w.down_transposed:
         y = linear_t(h, w.down)
         return y + w.down_bias if w.down_bias is not None else y
     return linear(h, w.down, w.down_bias)
 
 
-def _ffn_hidden(x: torch.Tensor, w: FFNWeights, spec: FFNSpec) -> torch.Tensor:
-    """act(gate . x) * (up . x), or act(up . x): what the down projection reads."""
+def _ffn_hidden(x: torch.Tensor, w: FFNWeights, spec: FFNSpec, norm: kernels.Norm | None = None) -> torch.Tensor:
+    """act(gate . x) * (up . x), or act(up . x), of norm(x) where `norm` is given: what the down
+    projection reads. On CUDA with decode-sized x the norm, both GEMVs and the activation are one kernel
+    when gate and up are rows of one buffer (`kernels.matmul_fused`)."""
     probe = FFN_PROBE
+    if spec.gated and probe is None and w.up_bias is None and x.is_cuda:
+        span = spanning([w.gate, w.up])
+        if span is not None and kernels.fused_ok(x, span.data, span.qtype, norm):
+            return kernels.matmul_fused(x, span.data, span.qtype, norm, spec.activation, spec.act_on_up)
+    if norm is not None:
+        x = norm(x)
     if spec.gated:
         gate, up = linear_many(x, [w.gate, w.up])
         if w.up_bias is not None:

@@ -84,18 +84,24 @@ def linear_t(h: torch.Tensor, w_t: QWeight) -> torch.Tensor:
     return kernels.matmul_t(h, w_t.data, w_t.qtype)
 
 
-def linear_many(x: torch.Tensor, ws: list[QWeight]) -> list[torch.Tensor]:
+def linear_many(x: torch.Tensor, ws: list[QWeight], norm: kernels.Norm | None = None) -> list[torch.Tensor]:
     """Several projections of one input (q/k/v, gate/up): on the CPU one compiled call for all; on
-    the GPU one matmul when the weights are consecutive rows of one buffer (see `fuse_rows`)."""
+    the GPU one matmul when the weights are consecutive rows of one buffer (see `fuse_rows`). With
+    `norm`, of norm(x): folded into that matmul on CUDA where it can (`kernels.matmul_fused`)."""
+    if norm is not None:
+        span = spanning(ws) if x.is_cuda else None
+        if span is not None and kernels.fused_ok(x, span.data, span.qtype, norm):
+            return list(kernels.matmul_fused(x, span.data, span.qtype, norm).split([w.out_features for w in ws], dim=-1))
+        x = norm(x)
     if kernels.use_cpu_op(x) and x.shape[0] < kernels.CPU_GEMM_TOKENS and all(w.qtype in kernels.CPU_QTYPES for w in ws):
         return kernels.cpu.qmatmul_multi([w.data for w in ws], [int(w.qtype) for w in ws], x.contiguous())
-    span = _spanning(ws)
+    span = spanning(ws)
     if span is not None:
         return list(linear(x, span).split([w.out_features for w in ws], dim=-1))
     return [linear(x, w) for w in ws]
 
 
-def _spanning(ws: list[QWeight]) -> QWeight | None:
+def spanning(ws: list[QWeight]) -> QWeight | None:
     """One QWeight over all of ws when they are consecutive rows of one buffer, else None."""
     first = ws[0].data
     if len(ws) < 2 or not first.is_contiguous():

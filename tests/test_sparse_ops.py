@@ -606,3 +606,29 @@ def test_matmul_add_on_the_cpu_is_matmul_then_add(qtype):
     torch.testing.assert_close(got, res + kernels.matmul(x, w, qtype), rtol=0, atol=0)
     tol = 1e-4 if qtype == Q.F16 else 5e-3
     torch.testing.assert_close(got, kernels.matmul_add_reference(x, w, qtype, res), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("qtype", [Q.F16, Q.Q8_0, Q.Q4_0])
+@pytest.mark.parametrize("norm", ["rms", "layer_bias", "none"])
+@pytest.mark.parametrize("act,act_on_up", [(None, False), ("silu", False), ("relu", True)])
+def test_matmul_fused_on_the_cpu_is_its_steps(qtype, norm, act, act_on_up):
+    """kernels.matmul_fused (norm, GEMV and gated activation in one kernel on CUDA) runs its steps apart
+    on the CPU with the compiled ops, and agrees with its twin; its output has one column per neuron
+    when the rows are gate rows then up rows."""
+    w = random_rows(qtype, 2 * 19, 96, seed=7)
+    x = torch.randn(3, 96) * 2 + 0.5
+    nw, nb = torch.randn(96), torch.randn(96)
+    n = None if norm == "none" else kernels.Norm(nw, 1e-5, nb if norm == "layer_bias" else None, norm != "rms")
+    assert not kernels.fused_ok(x, w, qtype, n)
+    got = kernels.matmul_fused(x, w, qtype, n, act, act_on_up)
+    assert got.shape == (3, 19 if act else 38)
+    h = x if n is None else n(x)
+    y = kernels.matmul(h, w, qtype)
+    if act is not None:
+        f = {"silu": torch.nn.functional.silu, "relu": torch.relu}[act]
+        g, u = y[:, :19], y[:, 19:]
+        y = f(g) * (f(u) if act_on_up else u)
+    torch.testing.assert_close(got, y, rtol=0, atol=0)
+    twin = kernels.matmul_fused_reference(x, w, qtype, n, act, act_on_up)
+    tol = 1e-4 if qtype == Q.F16 else 2e-2  # the CPU reads x in 8-bit planes for block formats
+    torch.testing.assert_close(got, twin, rtol=tol, atol=tol * max(1.0, twin.abs().max().item()))

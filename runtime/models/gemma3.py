@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ..gguf_file import GGUFFile
+from ..kernels import Norm
 from ..layers import FFN_VARIANTS, FFNWeights, KVCache, Rotary, Step, attend, ffn, rms_norm
 from ..weights import QWeight, linear, linear_many
 from . import register
@@ -102,15 +103,14 @@ class Gemma3(CausalLM):
         c, L = self.config, self.layers[i]
         sliding = c.is_sliding(i)
         rope = self.rotary(x.device)[1 if sliding else 0]
-        h = rms_norm(x, L.attn_norm, c.norm_eps)
-        q, k, v = linear_many(h, [L.q, L.k, L.v])
+        q, k, v = linear_many(x, [L.q, L.k, L.v], Norm(L.attn_norm, c.norm_eps))
         q = rms_norm(q.reshape(-1, c.n_heads, c.head_dim), L.q_norm, c.norm_eps)
         k = rms_norm(k.reshape(-1, c.n_kv_heads, c.head_dim), L.k_norm, c.norm_eps)
         v = v.reshape(-1, c.n_kv_heads, c.head_dim)
         q, k = rope.apply(q, step), rope.apply(k, step)
         a = attend(q, k, v, cache, step, c.sliding_window if sliding else None, c.attn_scale)
         x = x + rms_norm(linear(a, L.o), L.post_attn_norm, c.norm_eps)
-        h = ffn(rms_norm(x, L.ffn_norm, c.norm_eps), L.ffn, FFN_VARIANTS[c.ffn_variant])
+        h = ffn(x, L.ffn, FFN_VARIANTS[c.ffn_variant], norm=Norm(L.ffn_norm, c.norm_eps))
         return x + rms_norm(h, L.post_ffn_norm, c.norm_eps)
 
     def final_norm(self, x: torch.Tensor) -> torch.Tensor:

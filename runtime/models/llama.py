@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ..gguf_file import GGUFFile
+from ..kernels import Norm
 from ..layers import FFN_VARIANTS, FFNWeights, KVCache, Rotary, Step, attend, default_scale, ffn, rms_norm, rope_qk
 from ..weights import QWeight, linear_add, linear_many
 from . import register
@@ -81,8 +82,7 @@ class Llama(CausalLM):
     def block(self, i: int, x: torch.Tensor, step: Step, cache: KVCache) -> torch.Tensor:
         c, L = self.config, self.layers[i]
         rope = self.rotary(x.device)
-        h = rms_norm(x, L.attn_norm, c.norm_eps)
-        q, k, v = linear_many(h, [L.q, L.k, L.v])
+        q, k, v = linear_many(x, [L.q, L.k, L.v], Norm(L.attn_norm, c.norm_eps))
         if L.q_bias is not None:
             q, k, v = q + L.q_bias, k + L.k_bias, v + L.v_bias
         q = q.reshape(-1, c.n_heads, c.head_dim)
@@ -91,7 +91,7 @@ class Llama(CausalLM):
         q, k = rope_qk(rope, q, k, step)
         # the residual adds ride on the projections' GEMVs (linear_add, ffn's residual)
         x = linear_add(attend(q, k, v, cache, step, None, default_scale(c.head_dim)), L.o, x)
-        return ffn(rms_norm(x, L.ffn_norm, c.norm_eps), L.ffn, FFN_VARIANTS[c.ffn_variant], residual=x)
+        return ffn(x, L.ffn, FFN_VARIANTS[c.ffn_variant], residual=x, norm=Norm(L.ffn_norm, c.norm_eps))
 
     def load_head(self) -> NormWeights:
         return NormWeights(self.weights.vector("output_norm.weight", self.config.d_model))

@@ -20,6 +20,9 @@
 #   pdl: a 7B-shaped F16 model all on the GPU and the CUDA kernels, with it off and on alternately
 #   att: a 7B-shaped F16 model all on the GPU with the attention kernel's old and new unrolling, alternately,
 #   then where its decode step's time goes (tests/gpu/profile_decode.py)
+#   fuse: GPU tests of the fused decode kernels, then a 7B-shaped F16 model all on the GPU with the norms, gated
+#   activation, k/v store and attention combine folded into other kernels and not (HS_CUDA_FUSE=1/0, alternating),
+#   then where its decode step's time goes
 #   kq8: the Q8_0 row-dot as it is and staged against x in two planes (HS_CUDA_STAGED_Q8=1), side by side
 set -uo pipefail
 OUT=${OUT:-gpu-results}
@@ -166,6 +169,18 @@ for v in ${HS_ATT_RUNS:-0 1 0 1}; do
   HS_CUDA_ATT_UNROLL=$v hs-bench run -m $M7 --reps 3 --json "$OUT/bench_7b_att$v.json" 2>&1 | tail -2
 done
 python3 tests/gpu/profile_decode.py $M7 2>&1 | tee "$OUT/profile_llama7b.txt" | tail -30
+fi
+if [[ $STAGES == *,fuse,* ]]; then
+timeout ${HS_TEST_TIMEOUT:-300} python3 -m pytest -q --tb=short -rf tests/gpu/test_cuda.py tests/gpu/test_cuda_layers.py \
+  tests/gpu/test_cuda_sparse.py ${HS_TEST_K:+-k "$HS_TEST_K"} 2>&1 | tee "$OUT/pytest-fuse.txt" | tail -15
+M7=/dev/shm/relu-llama-2-7b-f16.gguf
+[ -f $M7 ] || hs-bench synth --shape llama-7b --dtype f16 -o /dev/shm 2>&1 | tail -1
+for v in ${HS_FUSE_RUNS:-0 1 0 1}; do  # "1w": fused, with two warps a row for 4096-row GEMVs (HS_CUDA_WANT_WARPS)
+  echo "HS_CUDA_FUSE=$v"
+  HS_CUDA_FUSE=${v:0:1} HS_CUDA_WANT_WARPS=$([ "${v:1}" = w ] && echo 8448) \
+    hs-bench run -m $M7 --reps 3 --json "$OUT/bench_7b_fuse$v.json" 2>&1 | tail -2
+done
+python3 tests/gpu/profile_decode.py $M7 2>&1 | tee "$OUT/profile_llama7b_fused.txt" | tail -24
 fi
 if [[ $STAGES == *,kq8,* ]]; then  # Q8_0 rows: half-blocks against float x, then staged against x in two planes
 for v in 0 1; do

@@ -33,8 +33,9 @@ with torch.inference_mode():
             model.forward(token, torch.tensor([pos + i], device="cuda"), gen.cache, 256)
         torch.cuda.synchronize()
 events = prof.key_averages()
-kernel_us = sum(e.self_device_time_total for e in events) / steps
-n_kernels = sum(e.count for e in events if e.self_device_time_total > 0 and e.device_type.name == "CUDA") / steps
+kernels = [e for e in events if e.self_device_time_total > 0 and e.device_type.name == "CUDA"]  # not the ops' rows too
+kernel_us = sum(e.self_device_time_total for e in kernels) / steps
+n_kernels = sum(e.count for e in kernels) / steps
 print(events.table(sort_by="self_device_time_total", row_limit=22, max_name_column_width=60))
 print(f"per decode step: {n_kernels:.0f} kernels, {kernel_us / 1e3:.2f} ms of kernel time; "
       f"CUDA-graph step measured {graph_ms:.2f} ms")

@@ -85,6 +85,40 @@ def test_programmatic_dependent_launch_gives_the_same_decode(name, tmp_path, mon
         assert (r - runs[0]).abs().max().item() <= 1e-4 * scale
 
 
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_fused_decode_kernels_give_the_same_decode(name, tmp_path, monkeypatch):
+    """HS_CUDA_FUSE (the default): the layers' norms folded into the q/k/v and gate/up GEMVs, the gated
+    activation into gate/up, one token's k/v store and the split-KV combine into the attention kernel.
+    Decode steps op by op and replayed as CUDA graphs give the logits of the kernels apart (fp32 sums in
+    another order), and the llama-family and Gemma blocks do take the fused GEMV."""
+    from test_hybrid_cuda import _generator_run
+    build_case(name, tmp_path, dtype="f16")
+    ids = torch.randint(0, VOCAB, (5,), generator=torch.Generator().manual_seed(4))
+    feed = torch.randint(0, VOCAB, (6,), generator=torch.Generator().manual_seed(6)).tolist()
+    fused_calls = []
+    inner = kernels.matmul_fused
+
+    def counting(x, data, qtype, *args, **kwargs):
+        fused_calls.append(kernels.fused_ok(x, data, qtype))
+        return inner(x, data, qtype, *args, **kwargs)
+
+    monkeypatch.setattr(kernels, "matmul_fused", counting)
+    runs = []
+    for fuse, graphs in (("0", True), ("1", False), ("1", True)):
+        monkeypatch.setenv("HS_CUDA_FUSE", fuse)
+        monkeypatch.setattr(kernels, "CUDA_FUSE", fuse == "1")
+        m = load_model(GGUFFile(tmp_path / f"{name}.gguf"))
+        m.place(m.config.n_layers + 1, torch.device("cuda"))
+        logits, graphed = _generator_run(m, ids, feed, graphs=graphs)
+        assert graphed == graphs
+        runs.append(logits)
+    if type(m).__module__.rsplit(".", 1)[-1] in ("llama", "gemma3"):  # the blocks that pass their norms
+        assert any(fused_calls)
+    scale = max(runs[0].abs().max().item(), 1.0)
+    for r in runs[1:]:
+        assert (r - runs[0]).abs().max().item() <= 2e-4 * scale
+
+
 def _greedy(path, n_gpu_layers, graphs=True, n=24):
     from hybridsparse.runtime.generate import Generator
     from hybridsparse.runtime.loader import open_model

@@ -56,8 +56,10 @@ def test_rope_qk_one_launch_for_adjacent_q_and_k(tokens):
 @pytest.mark.parametrize("tokens,window,n_q,n_kv,D", [(1, None, 8, 8, 64), (1, None, 8, 2, 128), (3, None, 4, 1, 256),
                                                      (1, 16, 4, 2, 64), (4, 8, 4, 4, 80)])
 @pytest.mark.parametrize("unroll", ["1", "0"])  # HS_CUDA_ATT_UNROLL: the kernel's loads in flight, default and old
-def test_attention(cache_dtype, tokens, window, n_q, n_kv, D, unroll, monkeypatch):
+@pytest.mark.parametrize("fuse", ["1", "0"])  # HS_CUDA_FUSE: one token's k/v store and the combine inside, or apart
+def test_attention(cache_dtype, tokens, window, n_q, n_kv, D, unroll, fuse, monkeypatch):
     monkeypatch.setenv("HS_CUDA_ATT_UNROLL", unroll)
+    monkeypatch.setenv("HS_CUDA_FUSE", fuse)
     n_ctx, past = 64, 37
     g = torch.Generator(device="cuda").manual_seed(0)
     a, b = KVCache(n_kv, D, n_ctx, "cuda", cache_dtype), KVCache(n_kv, D, n_ctx, "cuda", cache_dtype)
@@ -82,6 +84,43 @@ def test_attention(cache_dtype, tokens, window, n_q, n_kv, D, unroll, monkeypatc
     out = kernels.ops().attention(q, k, v, b.k, b.v, positions, kv_len, window or 0, D ** -0.5)
     tol = 2e-3 if cache_dtype == torch.float16 else 1e-5
     torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
+    torch.testing.assert_close(b.k, a.k)
+    torch.testing.assert_close(b.v, a.v)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("n_q,n_kv,window", [(8, 2, None), (4, 4, 40)])
+@pytest.mark.parametrize("graph", [False, True])
+def test_attention_decode_steps(cache_dtype, n_q, n_kv, window, graph):
+    """Decode steps one after another with the new token's k/v stored by the attention kernel and the
+    chunks combined by each (token, head)'s last block (their counters must return to zero for the next
+    launch), eagerly and replayed as one CUDA graph, against the twin step by step: outputs and caches."""
+    D, past, steps, kv_len = 64, 90, 6, 128  # 4 chunks of 32 positions at the start
+    a, b = KVCache(n_kv, D, kv_len, "cuda", cache_dtype), KVCache(n_kv, D, kv_len, "cuda", cache_dtype)
+    for c in (a, b):
+        torch.manual_seed(1)
+        c.k[:, :past] = torch.randn(n_kv, past, D, device="cuda").to(cache_dtype)
+        c.v[:, :past] = torch.randn(n_kv, past, D, device="cuda").to(cache_dtype)
+    g = torch.Generator(device="cuda").manual_seed(5)
+    qs, ks, vs = (torch.randn(steps, 1, h, D, device="cuda", generator=g) for h in (n_q, n_kv, n_kv))
+    q, k, v = qs[0].clone(), ks[0].clone(), vs[0].clone()
+    pos = torch.tensor([past], device="cuda")
+    run = lambda: kernels.ops().attention(q, k, v, b.k, b.v, pos, kv_len, window or 0, D ** -0.5)  # noqa: E731
+    if graph:
+        run()  # warm-up, then undo its store
+        b.k[:, past:], b.v[:, past:] = 0, 0
+        graph_obj = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph_obj):
+            out = run()
+    tol = 2e-3 if cache_dtype == torch.float16 else 1e-5
+    for i in range(steps):
+        q.copy_(qs[i]), k.copy_(ks[i]), v.copy_(vs[i]), pos.fill_(past + i)
+        ref = attend_reference(qs[i], ks[i], vs[i], a, Step(pos.clone(), kv_len), window, D ** -0.5)
+        if graph:
+            graph_obj.replay()
+        else:
+            out = run()
+        torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
     torch.testing.assert_close(b.k, a.k)
     torch.testing.assert_close(b.v, a.v)
 

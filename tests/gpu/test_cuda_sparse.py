@@ -196,6 +196,48 @@ def test_cuda_matmul_add_is_the_gemv_plus_the_residual(qtype, tokens, rows):
     torch.testing.assert_close(got.cpu(), twin, rtol=0, atol=tol * max(1.0, (twin - res.cpu()).abs().max().item()))
 
 
+@pytest.mark.parametrize("qtype", [Q.F16, Q.BF16, Q.Q8_0])
+@pytest.mark.parametrize("norm", ["none", "rms", "layer", "layer_bias"])
+@pytest.mark.parametrize("act,act_on_up", [(None, False), ("silu", False), ("relu", True), ("gelu", False)])
+@pytest.mark.parametrize("tokens,cols,rows", [(1, 4096, 2 * 1500), (3, 1024, 2 * 301), (4, 2048, 2 * 40), (1, 8192, 2 * 7)])
+def test_cuda_rowdot_fused(qtype, norm, act, act_on_up, tokens, cols, rows):
+    """The decode GEMV with the norm before it and the gated activation after it in one kernel, against
+    its twin (norm, matmul, activation apart, in torch) and against the runtime's separate kernels;
+    few rows (slices of a row over 2-4 warps, gate and up warps of one block) and many."""
+    w = random_rows(qtype, rows, cols, seed=rows + cols).cuda()
+    x = torch.randn(tokens, cols, device="cuda") * 3 + 1
+    nw, nb = torch.randn(cols, device="cuda"), torch.randn(cols, device="cuda")
+    n = None if norm == "none" else kernels.Norm(nw, 1e-5, nb if norm == "layer_bias" else None, norm != "rms")
+    assert kernels.fused_ok(x, w, qtype, n)
+    got = kernels.matmul_fused(x, w, qtype, n, act, act_on_up)
+    apart = kernels.matmul_fused_reference(x, w, qtype, n, act, act_on_up, step=kernels.matmul)
+    twin = kernels.matmul_fused_reference(x.cpu(), w.cpu(), qtype, None if n is None else
+                                          kernels.Norm(nw.cpu(), 1e-5, None if n.bias is None else nb.cpu(), n.layer),
+                                          act, act_on_up)
+    assert got.shape == twin.shape == (tokens, rows // 2 if act else rows)
+    scale = max(1.0, twin.abs().max().item())
+    torch.testing.assert_close(got, apart, rtol=1e-4, atol=2e-5 * scale)  # fast-math exp/tanh: ~3e-5
+    torch.testing.assert_close(got.cpu(), twin, rtol=1e-4, atol=1e-4 * scale)
+
+
+def test_cuda_rowdot_fused_falls_back_and_refuses():
+    """Where the kernel cannot take x (too many tokens for its shared memory, Q4_0 rows, HS_CUDA_FUSE=0)
+    matmul_fused runs the steps apart with the same result; the op itself refuses with one clear line."""
+    w = random_rows(Q.F16, 64, 8192, seed=1).cuda()
+    x = torch.randn(2, 8192, device="cuda")  # 64 KiB of x: over the 48 KiB the kernel stages
+    n = kernels.Norm(torch.randn(8192, device="cuda"), 1e-6)
+    assert not kernels.fused_ok(x, w, Q.F16, n)
+    torch.testing.assert_close(kernels.matmul_fused(x, w, Q.F16, n), kernels.matmul(n(x), w, Q.F16))
+    with pytest.raises(RuntimeError, match="do not fit"):
+        kernels.ops().rowdot_fused(w, int(Q.F16), x, n.weight, None, 1e-6, 1, -1, False)
+    q4 = random_rows(Q.Q4_0, 64, 512, seed=2).cuda()
+    assert not kernels.fused_ok(x[:, :512], q4, Q.Q4_0)
+    with pytest.raises(RuntimeError, match="Q4_0 rows are not supported"):
+        kernels.ops().rowdot_fused(q4, int(Q.Q4_0), x[:1, :512].contiguous(), None, None, 0.0, 0, -1, False)
+    with pytest.raises(RuntimeError, match="gate rows then up rows"):
+        kernels.ops().rowdot_fused(w[:63], int(Q.F16), x[:1], None, None, 0.0, 0, 0, False)
+
+
 @pytest.mark.parametrize("graph", [False, True])
 def test_programmatic_dependent_launch_chain(graph, monkeypatch):
     """HS_CUDA_PDL=1 (csrc/cuda_launch.h): a chain of row-dots and an axpy, each reading what the one
