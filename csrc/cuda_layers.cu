@@ -140,7 +140,7 @@ __device__ __forceinline__ void combine_chunks(const float* part_o, const float*
 constexpr int ATT_MAX_DONE = 4096;
 __device__ unsigned int att_done[ATT_MAX_DONE];
 
-// One token's new k/v rows (T = 1, HS_CUDA_FUSE not 0): the kv_store kernel folded in. Blocks read
+// One token's new k/v rows (T = 1, HS_CUDA_ATT_FUSE not 0): the kv_store kernel folded in. Blocks read
 // them from here as the cache would hold them, and the block of the first query head of each key/
 // value head whose chunk holds the token's position writes them into the cache; no block reads that
 // cache row in this launch.
@@ -226,18 +226,17 @@ attention_kernel(const float* q, int64_t sqt, int64_t sqh, C* kc, C* vc, const i
   sum = warp_sum(sum);
   for (int d = tid; d < D; d += blockDim.x) {
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
-    int i = 0;
-    for (; i + VU <= n_cached; i += VU) {  // the loads first, all in flight at once
+    // VU rows' loads first, all in flight at once, a partial last round too (rows past the chunk's
+    // end load its last row again and weigh 0: the chunk that ends at the token's position is rarely
+    // a multiple of VU, and a tail loop of dependent rounds made it the slowest block); the new row,
+    // where the chunk has it, comes from vn
+    for (int i = 0; i < n_cached; i += VU) {
       float vv[VU];
 #pragma unroll
-      for (int j = 0; j < VU; ++j) vv[j] = to_f(vbase[static_cast<int64_t>(i + j) * D + d]);
+      for (int j = 0; j < VU; ++j) vv[j] = to_f(vbase[static_cast<int64_t>(min(i + j, n_cached - 1)) * D + d]);
 #pragma unroll
-      for (int j = 0; j < VU; ++j) acc[j % 4] += scores[i + j] * vv[j];
+      for (int j = 0; j < VU; ++j) acc[j % 4] += (i + j < n_cached ? scores[i + j] : 0.f) * vv[j];
     }
-    for (; i + 4 <= n_cached; i += 4)
-#pragma unroll
-      for (int j = 0; j < 4; ++j) acc[j] += scores[i + j] * to_f(vbase[static_cast<int64_t>(i + j) * D + d]);
-    for (; i < n_cached; ++i) acc[0] += scores[i] * to_f(vbase[static_cast<int64_t>(i) * D + d]);
     if (has_new) acc[0] += scores[n - 1] * cache_round<C>(vn[d]);
     const float o = (acc[0] + acc[1]) + (acc[2] + acc[3]);
     if (n_chunks == 1) out[static_cast<int64_t>(th) * D + d] = o / sum;
@@ -364,14 +363,14 @@ int attention_chunks(int64_t T, int Hq, int64_t kv_len) {
 }
 
 // k/v [T, Hkv, D] (strides skt, skh / svt, svh) stored into the cache at their positions, then the
-// attention of q over it. HS_CUDA_FUSE=0 keeps the older three kernels (store, attend, combine) for
+// attention of q over it. HS_CUDA_ATT_FUSE=0 keeps the older three kernels (store, attend, combine) for
 // side-by-side runs; otherwise one token's store and the combine happen inside the attention kernel.
 void launch_attention(const float* q, int64_t sqt, int64_t sqh, const float* k, const float* v, int64_t skt,
                       int64_t skh, int64_t svt, int64_t svh, void* kc, void* vc, bool half_cache,
                       const int64_t* pos, int64_t T, int Hq, int Hkv, int64_t n_ctx, int D, int64_t kv_len,
                       int64_t window, float scale, float* out, float* part_o, float* part_ml, cudaStream_t stream) {
   const int chunk = attention_chunk(T, Hq, kv_len), n_chunks = attention_chunks(T, Hq, kv_len);
-  const bool fuse = !env_off("HS_CUDA_FUSE");
+  const bool fuse = !env_off("HS_CUDA_ATT_FUSE");
   const NewKV nkv = fuse && T == 1 ? NewKV{k, v, skh, svh} : NewKV{nullptr, nullptr, 0, 0};
   if (nkv.k == nullptr) launch_kv_store(k, v, skt, skh, svt, svh, kc, vc, half_cache, pos, T, Hkv, n_ctx, D, stream);
   const bool combine_here = fuse && n_chunks > 1 && T * Hq <= ATT_MAX_DONE;

@@ -19,10 +19,9 @@ void launch_axpy(int64_t qtype, const uint8_t* w, int64_t row_bytes, const float
                  const int32_t* idx, int64_t D, float* y, int T, cudaStream_t stream);
 int cuda_max_tokens();
 void launch_rowdot_fused(int64_t qtype, const uint8_t* w, int64_t row_bytes, const float* x, int64_t K,
-                         int64_t n_out, float* y, int T, const float* nw, const float* nb, float eps, int norm,
-                         int act, bool act_on_up, cudaStream_t stream);
+                         int64_t n_out, float* y, int T, const float* nw, float eps, int act, bool act_on_up,
+                         cudaStream_t stream);
 int fused_max_tokens();
-int64_t fused_max_smem();
 void launch_rope(float* x, int64_t st, int64_t sh, int64_t T, int H, int half, const float* cos, const float* sin,
                  bool neox, cudaStream_t stream);
 void launch_attention(const float* q, int64_t sqt, int64_t sqh, const float* k, const float* v, int64_t skt,
@@ -118,12 +117,11 @@ at::Tensor matmul_add_cuda(const at::Tensor& w, int64_t qtype, const at::Tensor&
   return rowdot_cuda(w, qtype, x, c10::nullopt, c10::nullopt, &res);
 }
 
-// The decode GEMV with the layer's norm before it and, for act >= 0, the gated activation after it:
-// norm 0 none, 1 RMS norm (norm_w), 2 layer norm (norm_w, norm_b); act >= 0: W is [2N, K], gate rows
-// then up rows, and y [T, N] = act(gate . x) * (up . x) (act_on_up: act(up . x)).
+// The decode GEMV with the layer's RMS norm before it (norm_w given) and, for act >= 0, the gated
+// activation after it: W is then [2N, K], gate rows then up rows, and y [T, N] = act(gate . x) * (up . x)
+// (act_on_up: act(up . x)).
 at::Tensor rowdot_fused_cuda(const at::Tensor& w, int64_t qtype, const at::Tensor& x,
-                             const c10::optional<at::Tensor>& norm_w, const c10::optional<at::Tensor>& norm_b,
-                             double eps, int64_t norm, int64_t act, bool act_on_up) {
+                             const c10::optional<at::Tensor>& norm_w, double eps, int64_t act, bool act_on_up) {
   const int64_t K = check_weight("rowdot_fused", w, qtype);
   HS_CHECK(qtype != Q4_0, "rowdot_fused (CUDA): Q4_0 rows are not supported (F16, BF16 and Q8_0 are)");
   HS_CHECK(x.is_cuda() && x.device() == w.device() && x.dim() == 2 && x.scalar_type() == at::kFloat &&
@@ -131,18 +129,13 @@ at::Tensor rowdot_fused_cuda(const at::Tensor& w, int64_t qtype, const at::Tenso
            "rowdot_fused (CUDA): x must be a contiguous, 16-byte aligned float32 [tokens, ", K,
            "] tensor on the weight's GPU");
   const int64_t T = x.size(0);
-  HS_CHECK(T >= 1 && T <= fused_max_tokens() && T * K * 4 <= fused_max_smem(), "rowdot_fused (CUDA): ", T,
-           " tokens of ", K, " features do not fit (at most ", fused_max_tokens(), " tokens and ",
-           fused_max_smem(), " bytes of x)");
-  HS_CHECK(norm >= 0 && norm <= 2 && act >= -1 && act <= 3, "rowdot_fused (CUDA): norm must be 0-2, act -1..3");
-  auto vec_ok = [&](const c10::optional<at::Tensor>& v) {
-    return v && v->is_cuda() && v->device() == x.device() && v->scalar_type() == at::kFloat && v->dim() == 1 &&
-           v->size(0) == K && v->is_contiguous();
-  };
-  HS_CHECK(norm == 0 || vec_ok(norm_w), "rowdot_fused (CUDA): the norm weight must be a contiguous float32 [", K,
+  HS_CHECK(T >= 1 && T <= fused_max_tokens(), "rowdot_fused (CUDA): 1 to ", fused_max_tokens(), " tokens, got ", T);
+  HS_CHECK(act >= -1 && act <= 3, "rowdot_fused (CUDA): act must be -1 (none) or an activation id 0-3, got ", act);
+  HS_CHECK(!norm_w || (norm_w->is_cuda() && norm_w->device() == x.device() && norm_w->scalar_type() == at::kFloat &&
+                       norm_w->dim() == 1 && norm_w->size(0) == K && norm_w->is_contiguous() &&
+                       reinterpret_cast<uintptr_t>(norm_w->data_ptr()) % 16 == 0),
+           "rowdot_fused (CUDA): the norm weight must be a contiguous, 16-byte aligned float32 [", K,
            "] vector on x's GPU");
-  HS_CHECK(!norm_b || (norm == 2 && vec_ok(norm_b)), "rowdot_fused (CUDA): a norm bias needs norm 2 (layer norm) "
-           "and must be a contiguous float32 [", K, "] vector on x's GPU");
   HS_CHECK(act < 0 || w.size(0) % 2 == 0, "rowdot_fused (CUDA): a gated activation needs gate rows then up rows, got ",
            w.size(0), " rows");
   const c10::cuda::CUDAGuard guard(x.device());
@@ -151,9 +144,8 @@ at::Tensor rowdot_fused_cuda(const at::Tensor& w, int64_t qtype, const at::Tenso
   if (n_out == 0) return y;
   launch_rowdot_fused(qtype, static_cast<const uint8_t*>(w.data_ptr()), w.size(1) * w.element_size(),
                       x.data_ptr<float>(), K, n_out, y.data_ptr<float>(), static_cast<int>(T),
-                      norm ? norm_w->data_ptr<float>() : nullptr, norm_b ? norm_b->data_ptr<float>() : nullptr,
-                      static_cast<float>(eps), static_cast<int>(norm), static_cast<int>(act), act_on_up,
-                      c10::cuda::getCurrentCUDAStream());
+                      norm_w ? norm_w->data_ptr<float>() : nullptr, static_cast<float>(eps), static_cast<int>(act),
+                      act_on_up, c10::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return y;
 }

@@ -259,161 +259,114 @@ rowdot_kernel(const uint8_t* __restrict__ w, int64_t row_bytes, X x, int64_t K,
   rowdot_store<T, S>(acc, k, n_out, y, res);
 }
 
-// FloatX with x in shared memory (the fused row-dot below stages the normalized x there)
-struct SmemX {
-  const float* x;
+// FloatX for the fused row-dot: with NORM, x is RMS-normalized on the fly. RMSNorm(x) . w_row =
+// rstd * sum_c w_row[c] * (nw[c] * x[c]) with rstd = rsqrt(mean(x^2) + eps), and a warp reading a row
+// reads all of x (its slice of x with S warps a row) anyway: it adds up x^2 as it goes (ss) and
+// weighs x by the norm weight nw; the row's dot is scaled by rstd at the end. No norm kernel, no
+// normalized copy of x, no prologue before the weights stream.
+template <bool NORM>
+struct NormX {
+  const float* __restrict__ x;
+  const float* __restrict__ nw;  // [K] (NORM)
   int64_t K;
   template <int64_t QT, int T>
-  __device__ __forceinline__ void add(const uint8_t* wr, int64_t u, float* acc) const {
+  __device__ __forceinline__ void add(const uint8_t* wr, int64_t u, float* acc, float* ss) const {
     using U = Unit<QT>;
     float q[U::W];
     const float d = U::load(wr, u, q);
 #pragma unroll
-    for (int t = 0; t < T; ++t) {
-      float s = 0.f;
-#pragma unroll
-      for (int c = 0; c < U::W; c += 8) {
-        const float4* p = reinterpret_cast<const float4*>(x + t * K + U::col(u, c));
-        const float4 a = p[0], b = p[1];
-        s += q[c] * a.x + q[c + 1] * a.y + q[c + 2] * a.z + q[c + 3] * a.w + q[c + 4] * b.x + q[c + 5] * b.y +
-             q[c + 6] * b.z + q[c + 7] * b.w;
+    for (int c = 0; c < U::W; c += 8) {
+      float4 na = make_float4(1.f, 1.f, 1.f, 1.f), nb = na;
+      if constexpr (NORM) {
+        const float4* pn = reinterpret_cast<const float4*>(nw + U::col(u, c));
+        na = __ldg(pn);
+        nb = __ldg(pn + 1);
       }
-      acc[t] += d * s;
+#pragma unroll
+      for (int t = 0; t < T; ++t) {
+        const float4* p = reinterpret_cast<const float4*>(x + t * K + U::col(u, c));
+        const float4 a = __ldg(p), b = __ldg(p + 1);
+        acc[t] += d * (q[c] * (a.x * na.x) + q[c + 1] * (a.y * na.y) + q[c + 2] * (a.z * na.z) +
+                       q[c + 3] * (a.w * na.w) + q[c + 4] * (b.x * nb.x) + q[c + 5] * (b.y * nb.y) +
+                       q[c + 6] * (b.z * nb.z) + q[c + 7] * (b.w * nb.w));
+        if constexpr (NORM)
+          ss[t] += a.x * a.x + a.y * a.y + a.z * a.z + a.w * a.w + b.x * b.x + b.y * b.y + b.z * b.z + b.w * b.w;
+      }
     }
   }
 };
 
-// What the fused row-dot does around its GEMV: the norm of x before it (NORM_RMS: x * rsqrt(mean(x^2) +
-// eps) * w; NORM_LAYER: (x - mean) * rstd * w + b) and, with act >= 0, the gated activation after it.
-enum { NORM_NONE = 0, NORM_RMS = 1, NORM_LAYER = 2 };
+// What the fused row-dot does around its GEMV: with nw, the RMS norm of x before it (NormX); with
+// act >= 0, the rows are gate rows then up rows and it writes act(gate . x) * (up . x).
 struct Fusion {
-  const float* __restrict__ nw;  // norm weight [K] (NORM_NONE: unused)
-  const float* __restrict__ nb;  // layer norm bias [K] or null
   float eps;
-  int norm;
-  int act;         // -1: rows are outputs; else rows are [gate (n_out); up (n_out)], y = act(gate) * up
+  int act;         // -1: rows are outputs
   bool act_on_up;  // act(gate) * act(up) (dReLU)
 };
 
-// x [T, K] into shared memory, normalized per token as f says: the whole block sums, every thread
-// finds the totals (red: 8 x T floats of shared memory)
-template <int T>
-__device__ __forceinline__ void stage_normed_x(const float* __restrict__ x, int64_t K, const Fusion& f, float* xs,
-                                               float (*red)[T]) {
-  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-  const int64_t n4 = T * K / 4;
-  for (int64_t i = tid; i < n4; i += blockDim.x)
-    reinterpret_cast<float4*>(xs)[i] = __ldg(reinterpret_cast<const float4*>(x) + i);
-  __syncthreads();
-  if (f.norm == NORM_NONE) return;
-  float mean[T], rstd[T];
-#pragma unroll
-  for (int t = 0; t < T; ++t) mean[t] = 0.f;
-  if (f.norm == NORM_LAYER) {
-    float s[T];
-#pragma unroll
-    for (int t = 0; t < T; ++t) {
-      s[t] = 0.f;
-      for (int64_t i = tid; i < K; i += blockDim.x) s[t] += xs[t * K + i];
-      s[t] = warp_sum(s[t]);
-      if (lane == 0) red[warp][t] = s[t];
-    }
-    __syncthreads();
-#pragma unroll
-    for (int t = 0; t < T; ++t) {
-      float m = 0.f;
-      for (int j = 0; j < DOT_WARPS; ++j) m += red[j][t];
-      mean[t] = m / static_cast<float>(K);
-    }
-    __syncthreads();  // red is reused below
-  }
-#pragma unroll
-  for (int t = 0; t < T; ++t) {
-    float ss = 0.f;
-    for (int64_t i = tid; i < K; i += blockDim.x) {
-      const float d = xs[t * K + i] - mean[t];
-      ss += d * d;
-    }
-    ss = warp_sum(ss);
-    if (lane == 0) red[warp][t] = ss;
-  }
-  __syncthreads();
-#pragma unroll
-  for (int t = 0; t < T; ++t) {
-    float ss = 0.f;
-    for (int j = 0; j < DOT_WARPS; ++j) ss += red[j][t];
-    rstd[t] = rsqrtf(ss / static_cast<float>(K) + f.eps);
-  }
-  for (int64_t i = tid; i < T * K; i += blockDim.x) {
-    const int t = static_cast<int>(i / K);
-    const int64_t c = i - t * K;
-    float m = 0.f, r = 0.f;
-#pragma unroll
-    for (int j = 0; j < T; ++j)
-      if (j == t) m = mean[j], r = rstd[j];
-    xs[i] = (xs[i] - m) * r * f.nw[c] + (f.nb ? f.nb[c] : 0.f);
-  }
-  __syncthreads();
-}
-
 // A decode GEMV over every row with what surrounds it in a layer folded in (HS_CUDA_FUSE=0: not used,
-// see runtime/kernels.py): each block normalizes x into shared memory itself (a few microseconds of
-// L2 reads and sums, while the L2 prefetch of its rows' first bytes is in flight), so the norm kernel
-// and its launch before the q/k/v and gate/up GEMVs go; and with act >= 0 a block's warps read gate
-// row k and up row k side by side and write act(gate . x) * (up . x), so the gated-activation kernel
-// goes too. Blocks as rowdot_kernel's: S warps per row.
-template <int64_t QT, int T, int S>
+// see runtime/kernels.py): the RMS norm before the q/k/v and gate/up GEMVs (NormX), and with act >= 0
+// the gated activation after gate/up: a block's warps read gate row k and up row k side by side and
+// write act(gate . x) * (up . x). Two kernels a layer fewer (three with the activation's). Blocks as
+// rowdot_kernel's: S warps a row, their sums (and sums of squares) meeting in shared memory.
+template <int64_t QT, int T, int S, bool NORM>
 __global__ void __launch_bounds__(32 * DOT_WARPS)
-rowdot_fused_kernel(const uint8_t* __restrict__ w, int64_t row_bytes, const float* __restrict__ x, int64_t K,
-                    int64_t n_out, float* __restrict__ y, Fusion f) {
-  extern __shared__ float4 smem[];
-  __shared__ float red[DOT_WARPS][T];
+rowdot_fused_kernel(const uint8_t* __restrict__ w, int64_t row_bytes, NormX<NORM> x, int64_t n_out,
+                    float* __restrict__ y, Fusion f, bool early) {
+  __shared__ float part[DOT_WARPS][T], part_ss[DOT_WARPS][T];
   constexpr int ROWS = DOT_WARPS / S;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, slice = warp % S, r = warp / S;
   const bool gated = f.act >= 0;
+  const int64_t K = x.K;
   // gated: the block's outputs are ROWS / 2 neurons, warps r = 2j (gate) and 2j + 1 (up) for neuron j
-  const int64_t k = gated ? static_cast<int64_t>(blockIdx.x) * (ROWS / 2) + r / 2 : static_cast<int64_t>(blockIdx.x) * ROWS + r;
+  const int outs = gated ? ROWS / 2 : ROWS;
+  const int64_t k = static_cast<int64_t>(blockIdx.x) * outs + (gated ? r / 2 : r);
   const int64_t row = gated && (r & 1) ? n_out + k : k;
-  if (k < n_out) prefetch_row_start(w + row * row_bytes, row_bytes, S, slice, lane);
+  if (early && k < n_out) prefetch_row_start(w + row * row_bytes, row_bytes, S, slice, lane);
   pdl_wait();
   pdl_launch_dependents();
-  float* xs = reinterpret_cast<float*>(smem);
-  stage_normed_x<T>(x, K, f, xs, red);
   using U = Unit<QT>;
-  const SmemX sx{xs, K};
-  float acc[T];
+  float acc[T], ss[T];
 #pragma unroll
-  for (int t = 0; t < T; ++t) acc[t] = 0.f;
+  for (int t = 0; t < T; ++t) acc[t] = ss[t] = 0.f;
   if (k < n_out) {
     const uint8_t* wr = w + row * row_bytes;
     const int64_t units = K / U::W;
     const int64_t per_slice = (units + S - 1) / S;
     const int64_t u_end = min(units, (slice + 1) * per_slice);
 #pragma unroll 4
-    for (int64_t u = slice * per_slice + lane; u < u_end; u += 32) sx.template add<QT, T>(wr, u, acc);
+    for (int64_t u = slice * per_slice + lane; u < u_end; u += 32) x.template add<QT, T>(wr, u, acc, ss);
   }
-  if (!gated) return rowdot_store<T, S>(acc, k, n_out, y, nullptr);
-  __shared__ float part[DOT_WARPS][T];
 #pragma unroll
-  for (int t = 0; t < T; ++t) acc[t] = warp_sum(acc[t]);
+  for (int t = 0; t < T; ++t) {
+    acc[t] = warp_sum(acc[t]);
+    if constexpr (NORM) ss[t] = warp_sum(ss[t]);
+  }
   if (lane == 0)
 #pragma unroll
-    for (int t = 0; t < T; ++t) part[warp][t] = acc[t];
+    for (int t = 0; t < T; ++t) part[warp][t] = acc[t], part_ss[warp][t] = ss[t];
   __syncthreads();
   const int tid = threadIdx.x;
-  if (tid < (ROWS / 2) * T) {
-    const int j = tid / T, t = tid % T;
-    const int64_t kk = static_cast<int64_t>(blockIdx.x) * (ROWS / 2) + j;
-    if (kk < n_out) {
-      float g = 0.f, u = 0.f;
+  if (tid >= outs * T) return;
+  const int j = tid / T, t = tid % T;
+  const int64_t kk = static_cast<int64_t>(blockIdx.x) * outs + j;
+  if (kk >= n_out) return;
+  // the rows of output j: warps (j * S ..) or, gated, gate (2j * S ..) and up ((2j + 1) * S ..)
+  const int w0 = (gated ? 2 * j : j) * S;
+  float v = 0.f, sq = 0.f;
 #pragma unroll
-      for (int s = 0; s < S; ++s) {
-        g += part[(2 * j) * S + s][t];
-        u += part[(2 * j + 1) * S + s][t];
-      }
-      y[t * n_out + kk] = act_f(g, f.act) * (f.act_on_up ? act_f(u, f.act) : u);
-    }
+  for (int s = 0; s < S; ++s) v += part[w0 + s][t], sq += part_ss[w0 + s][t];
+  const float rstd = NORM ? rsqrtf(sq / static_cast<float>(K) + f.eps) : 1.f;
+  if (!gated) {
+    y[t * n_out + kk] = v * rstd;
+    return;
   }
+  float u = 0.f;
+#pragma unroll
+  for (int s = 0; s < S; ++s) u += part[w0 + S + s][t];
+  const float g = v * rstd;
+  u *= rstd;
+  y[t * n_out + kk] = act_f(g, f.act) * (f.act_on_up ? act_f(u, f.act) : u);
 }
 
 // Q4_0 rows a whole block per lane: a warp copies 32 consecutive blocks of its row (576 bytes, which
@@ -643,26 +596,36 @@ void rowdot_launch(const uint8_t* w, int64_t row_bytes, X x, int64_t K, const in
   }
 }
 
-template <int64_t QT, int T>
-void rowdot_fused_launch_t(const uint8_t* w, int64_t row_bytes, const float* x, int64_t K, int64_t n_out, float* y,
+template <int64_t QT, int T, bool NORM>
+void rowdot_fused_launch_t(const uint8_t* w, int64_t row_bytes, NormX<NORM> x, int64_t n_out, float* y,
                            const Fusion& f, cudaStream_t stream) {
   const int S = row_split(f.act >= 0 ? 2 * n_out : n_out);
   const int64_t outs_per_block = (DOT_WARPS / S) / (f.act >= 0 ? 2 : 1);
   const dim3 grid((n_out + outs_per_block - 1) / outs_per_block), block(32 * DOT_WARPS);
-  const size_t smem = static_cast<size_t>(T * K) * sizeof(float);
-  if (S == 1) launch(rowdot_fused_kernel<QT, T, 1>, grid, block, smem, stream, w, row_bytes, x, K, n_out, y, f);
-  else if (S == 2) launch(rowdot_fused_kernel<QT, T, 2>, grid, block, smem, stream, w, row_bytes, x, K, n_out, y, f);
-  else launch(rowdot_fused_kernel<QT, T, 4>, grid, block, smem, stream, w, row_bytes, x, K, n_out, y, f);
+  const bool early = pdl_enabled();  // launched early: prefetch before waiting
+  if (S == 1) launch(rowdot_fused_kernel<QT, T, 1, NORM>, grid, block, 0, stream, w, row_bytes, x, n_out, y, f, early);
+  else if (S == 2) launch(rowdot_fused_kernel<QT, T, 2, NORM>, grid, block, 0, stream, w, row_bytes, x, n_out, y, f, early);
+  else launch(rowdot_fused_kernel<QT, T, 4, NORM>, grid, block, 0, stream, w, row_bytes, x, n_out, y, f, early);
 }
 
-template <int64_t QT>
-void rowdot_fused_launch(const uint8_t* w, int64_t row_bytes, const float* x, int64_t K, int64_t n_out, float* y,
-                         int T, const Fusion& f, cudaStream_t stream) {
+template <int64_t QT, bool NORM>
+void rowdot_fused_launch(const uint8_t* w, int64_t row_bytes, NormX<NORM> x, int64_t n_out, float* y, int T,
+                         const Fusion& f, cudaStream_t stream) {
   switch (T) {
-    case 1: return rowdot_fused_launch_t<QT, 1>(w, row_bytes, x, K, n_out, y, f, stream);
-    case 2: return rowdot_fused_launch_t<QT, 2>(w, row_bytes, x, K, n_out, y, f, stream);
-    case 3: return rowdot_fused_launch_t<QT, 3>(w, row_bytes, x, K, n_out, y, f, stream);
-    default: return rowdot_fused_launch_t<QT, 4>(w, row_bytes, x, K, n_out, y, f, stream);
+    case 1: return rowdot_fused_launch_t<QT, 1, NORM>(w, row_bytes, x, n_out, y, f, stream);
+    case 2: return rowdot_fused_launch_t<QT, 2, NORM>(w, row_bytes, x, n_out, y, f, stream);
+    case 3: return rowdot_fused_launch_t<QT, 3, NORM>(w, row_bytes, x, n_out, y, f, stream);
+    default: return rowdot_fused_launch_t<QT, 4, NORM>(w, row_bytes, x, n_out, y, f, stream);
+  }
+}
+
+template <bool NORM>
+void rowdot_fused_types(int64_t qtype, const uint8_t* w, int64_t row_bytes, NormX<NORM> x, int64_t n_out, float* y,
+                        int T, const Fusion& f, cudaStream_t stream) {
+  switch (qtype) {
+    case F16: return rowdot_fused_launch<F16, NORM>(w, row_bytes, x, n_out, y, T, f, stream);
+    case BF16: return rowdot_fused_launch<BF16, NORM>(w, row_bytes, x, n_out, y, T, f, stream);
+    default: return rowdot_fused_launch<Q8_0, NORM>(w, row_bytes, x, n_out, y, T, f, stream);
   }
 }
 
@@ -741,21 +704,17 @@ void launch_axpy(int64_t qtype, const uint8_t* w, int64_t row_bytes, const float
 }
 
 // The fused decode GEMV (rowdot_fused_kernel): y [T, n_out]; rows [n_out, K], or [2 n_out, K] (gate
-// rows, then up rows) when act >= 0. F16, BF16 and Q8_0 rows (the types that read float x); x staged
-// in T * K * 4 bytes of shared memory (the caller keeps that within 48 KiB, T <= 4).
+// rows, then up rows) when act >= 0; nw: the RMS norm's weight [K] or null (no norm). F16, BF16 and
+// Q8_0 rows (the types that read float x), T <= 4.
 void launch_rowdot_fused(int64_t qtype, const uint8_t* w, int64_t row_bytes, const float* x, int64_t K,
-                         int64_t n_out, float* y, int T, const float* nw, const float* nb, float eps, int norm,
-                         int act, bool act_on_up, cudaStream_t stream) {
-  const Fusion f{nw, nb, eps, norm, act, act_on_up};
-  switch (qtype) {
-    case F16: return rowdot_fused_launch<F16>(w, row_bytes, x, K, n_out, y, T, f, stream);
-    case BF16: return rowdot_fused_launch<BF16>(w, row_bytes, x, K, n_out, y, T, f, stream);
-    default: return rowdot_fused_launch<Q8_0>(w, row_bytes, x, K, n_out, y, T, f, stream);
-  }
+                         int64_t n_out, float* y, int T, const float* nw, float eps, int act, bool act_on_up,
+                         cudaStream_t stream) {
+  const Fusion f{eps, act, act_on_up};
+  if (nw) rowdot_fused_types<true>(qtype, w, row_bytes, NormX<true>{x, nw, K}, n_out, y, T, f, stream);
+  else rowdot_fused_types<false>(qtype, w, row_bytes, NormX<false>{x, nullptr, K}, n_out, y, T, f, stream);
 }
 
 int fused_max_tokens() { return 4; }
-int64_t fused_max_smem() { return 48 * 1024; }
 
 int cuda_max_tokens() { return 8; }
 

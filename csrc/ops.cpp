@@ -66,8 +66,7 @@ TORCH_LIBRARY(hybridsparse, m) {
   m.def("gated_act(Tensor gate, Tensor up, int act, bool act_on_up) -> Tensor");
   m.def("sparse_rowdot(Tensor w, int qtype, Tensor x, Tensor? idx, Tensor? mask) -> Tensor");
   m.def("matmul_add(Tensor w, int qtype, Tensor x, Tensor res) -> Tensor");  // CUDA only (CPU: matmul, then +)
-  m.def("rowdot_fused(Tensor w, int qtype, Tensor x, Tensor? norm_w, Tensor? norm_b, float eps, int norm, int act, "
-        "bool act_on_up) -> Tensor");  // CUDA only (kernels.matmul_fused_reference is its twin)
+  m.def("rowdot_fused(Tensor w, int qtype, Tensor x, Tensor? norm_w, float eps, int act, bool act_on_up) -> Tensor");  // CUDA only (kernels.matmul_fused_reference is its twin)
   m.def("sparse_axpy(Tensor w, int qtype, Tensor h, Tensor? idx) -> Tensor");
   m.def("has_cuda() -> bool", &hs::has_cuda);
 }

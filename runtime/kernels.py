@@ -39,12 +39,17 @@ CUDA_MAX_GEMV_TOKENS = 8  # csrc/cuda_sparse.cu: cuda_max_tokens()
 # Decode-sized float16/bfloat16 matmuls on the GPU: "ours" (csrc/cuda_sparse.cu) or "cublas"
 # (torch's F.linear); HS_CUDA_GEMV picks, for side-by-side benchmarks.
 CUDA_GEMV = os.environ.get("HS_CUDA_GEMV", "ours")
-# A layer's norm before its q/k/v and gate/up GEMVs, and the gated activation after gate/up, folded
-# into those GEMVs on CUDA (`matmul_fused`); HS_CUDA_FUSE=0 runs them as kernels of their own, for
-# side-by-side benchmarks.
-CUDA_FUSE = os.environ.get("HS_CUDA_FUSE", "1") != "0"
+# A layer's RMS norm before its q/k/v and gate/up GEMVs, and the gated activation after gate/up, folded
+# into those GEMVs on CUDA (`matmul_fused`) for weights of at most CUDA_FUSE_MAX_BYTES; HS_CUDA_FUSE=0
+# never, =1 at every size. The fused GEMV reads the norm weight beside x and streams its rows ~12%
+# slower; it saves a norm (~4 us) or activation kernel (~2 us) and a launch. H100, session 20, decode
+# tokens/s of `hs-bench run` alternating: a Gemma-3-270M-shaped F16 model (weights <= 5 MiB a GEMV)
+# 773 / 778 apart -> 893 / 895 fused (with the attention's fusion, HS_CUDA_ATT_FUSE); a 7B-shaped one
+# (96 and 172 MiB) 172.6 / 171.9 -> 169.8 / 167.9 with every size fused.
+CUDA_FUSE = os.environ.get("HS_CUDA_FUSE", "auto")
+CUDA_FUSE_MAX_BYTES = 64 << 20
 CUDA_FUSED_QTYPES = {Q.F16, Q.BF16, Q.Q8_0}  # csrc/cuda_sparse.cu rowdot_fused_kernel: rows read against float x
-CUDA_FUSED_MAX_TOKENS, CUDA_FUSED_MAX_X_BYTES = 4, 48 << 10  # fused_max_tokens(), fused_max_smem()
+CUDA_FUSED_MAX_TOKENS = 4  # fused_max_tokens()
 # Block-format weights go through cuBLAS / torch a slice of rows at a time, dequantized to float32:
 # at most this many bytes of it per slice. Rows of 8192 elements 8192 at a time (as before) made
 # ~1 GiB of temporaries on the GPU during a 70B prefill (the S2 plan's peak went over its budget);
@@ -208,7 +213,7 @@ def _register_fakes() -> None:
         return torch.empty_like(res)
 
     @torch.library.register_fake("hybridsparse::rowdot_fused")
-    def _(w, qtype, x, norm_w, norm_b, eps, norm, act, act_on_up):
+    def _(w, qtype, x, norm_w, eps, act, act_on_up):
         return x.new_empty((x.shape[0], w.shape[0] // 2 if act >= 0 else w.shape[0]))
 
     @torch.library.register_fake("hybridsparse::sparse_rowdot")
@@ -350,29 +355,30 @@ class Norm:
 
 
 def fused_ok(x: torch.Tensor, data: torch.Tensor, qtype: Q, norm: Norm | None = None) -> bool:
-    """Whether `matmul_fused` runs as one CUDA kernel for this x and weight (else its parts run apart)."""
-    return CUDA_FUSE and data.is_cuda and qtype in CUDA_FUSED_QTYPES and x.is_cuda and x.dtype == torch.float32 \
-        and 1 <= x.shape[0] <= CUDA_FUSED_MAX_TOKENS and x.shape[0] * x.shape[1] * 4 <= CUDA_FUSED_MAX_X_BYTES \
-        and x.shape[1] % 4 == 0 and _cuda_sparse_ok(data, qtype, x.shape[0]) \
-        and (norm is None or (norm.weight.is_cuda and norm.weight.dtype == torch.float32
-                              and (norm.bias is None or norm.bias.dtype == torch.float32)))
+    """Whether `matmul_fused` runs as one CUDA kernel for this x, weight and norm (an RMS norm; a
+    layer norm's mean would need more than the GEMV's own pass over x; weights small enough that a
+    kernel less is worth more than the fused GEMV's slower stream, see CUDA_FUSE), else its steps run
+    apart."""
+    return CUDA_FUSE != "0" and data.is_cuda and qtype in CUDA_FUSED_QTYPES and x.is_cuda and x.dtype == torch.float32 \
+        and (CUDA_FUSE == "1" or data.numel() * data.element_size() <= CUDA_FUSE_MAX_BYTES) \
+        and 1 <= x.shape[0] <= CUDA_FUSED_MAX_TOKENS and _cuda_sparse_ok(data, qtype, x.shape[0]) \
+        and (norm is None or (not norm.layer and norm.weight.is_cuda and norm.weight.dtype == torch.float32
+                              and norm.weight.is_contiguous() and norm.weight.data_ptr() % 16 == 0))
 
 
 def matmul_fused(x: torch.Tensor, data: torch.Tensor, qtype: Q, norm: Norm | None = None, act: str | None = None,
                  act_on_up: bool = False) -> torch.Tensor:
     """`matmul` of norm(x) (norm None: x); with `act`, the rows are gate rows then up rows and the result
     is act(gate) * up (act_on_up: * act(up)), [T, rows / 2]. One CUDA kernel where `fused_ok`, else
-    the twin's separate steps."""
+    the twin's steps apart, each as the runtime runs it."""
     if not fused_ok(x, data, qtype, norm):
         return matmul_fused_reference(x, data, qtype, norm, act, act_on_up, step=matmul)
     x = x.contiguous()
     if x.data_ptr() % 16:
         x = x.clone()
-    nw = None if norm is None else norm.weight.contiguous()
-    nb = None if norm is None or norm.bias is None else norm.bias.contiguous()
-    kind = 0 if norm is None else (2 if norm.layer else 1)
-    return ops().rowdot_fused(data, int(qtype), x, nw, nb, 0.0 if norm is None else float(norm.eps), kind,
-                              -1 if act is None else ACTIVATION_IDS[act], act_on_up)
+    return ops().rowdot_fused(data, int(qtype), x, None if norm is None else norm.weight,
+                              0.0 if norm is None else float(norm.eps), -1 if act is None else ACTIVATION_IDS[act],
+                              act_on_up)
 
 
 def matmul_fused_reference(x: torch.Tensor, data: torch.Tensor, qtype: Q, norm: Norm | None = None,

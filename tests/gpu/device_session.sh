@@ -20,9 +20,9 @@
 #   pdl: a 7B-shaped F16 model all on the GPU and the CUDA kernels, with it off and on alternately
 #   att: a 7B-shaped F16 model all on the GPU with the attention kernel's old and new unrolling, alternately,
 #   then where its decode step's time goes (tests/gpu/profile_decode.py)
-#   fuse: GPU tests of the fused decode kernels, then a 7B-shaped F16 model all on the GPU with the norms, gated
-#   activation, k/v store and attention combine folded into other kernels and not (HS_CUDA_FUSE=1/0, alternating),
-#   then where its decode step's time goes
+#   fuse: GPU tests of the fused decode kernels, then a 7B-shaped F16 model all on the GPU with the norms and gated
+#   activation folded into the GEMVs and not (HS_CUDA_FUSE), the k/v store and attention combine folded into the
+#   attention kernel and not (HS_CUDA_ATT_FUSE), alternating (HS_FUSE_RUNS), then where its decode step's time goes
 #   kq8: the Q8_0 row-dot as it is and staged against x in two planes (HS_CUDA_STAGED_Q8=1), side by side
 set -uo pipefail
 OUT=${OUT:-gpu-results}
@@ -175,12 +175,31 @@ timeout ${HS_TEST_TIMEOUT:-300} python3 -m pytest -q --tb=short -rf tests/gpu/te
   tests/gpu/test_cuda_sparse.py ${HS_TEST_K:+-k "$HS_TEST_K"} 2>&1 | tee "$OUT/pytest-fuse.txt" | tail -15
 M7=/dev/shm/relu-llama-2-7b-f16.gguf
 [ -f $M7 ] || hs-bench synth --shape llama-7b --dtype f16 -o /dev/shm 2>&1 | tail -1
-for v in ${HS_FUSE_RUNS:-0 1 0 1}; do  # "1w": fused, with two warps a row for 4096-row GEMVs (HS_CUDA_WANT_WARPS)
-  echo "HS_CUDA_FUSE=$v"
-  HS_CUDA_FUSE=${v:0:1} HS_CUDA_WANT_WARPS=$([ "${v:1}" = w ] && echo 8448) \
+# runs named GEMV fusion + attention fusion (HS_CUDA_FUSE, HS_CUDA_ATT_FUSE), "w": two warps a row for 4096-row
+# GEMVs (HS_CUDA_WANT_WARPS=8448)
+for v in ${HS_FUSE_RUNS:-00 11 00 11}; do
+  echo "HS_CUDA_FUSE=${v:0:1} HS_CUDA_ATT_FUSE=${v:1:1} ${v:2}"
+  HS_CUDA_FUSE=${v:0:1} HS_CUDA_ATT_FUSE=${v:1:1} HS_CUDA_WANT_WARPS=$([ "${v:2}" = w ] && echo 8448) \
     hs-bench run -m $M7 --reps 3 --json "$OUT/bench_7b_fuse$v.json" 2>&1 | tail -2
 done
 python3 tests/gpu/profile_decode.py $M7 2>&1 | tee "$OUT/profile_llama7b_fused.txt" | tail -24
+if [ -n "${HS_FUSE_GEMMA:-}" ]; then  # the same alternation on a Gemma-3-270M-shaped model (launch- and latency-bound)
+python3 - <<'PY'
+import torch, transformers as tf
+from hybridsparse.runtime.convert import write_gguf, byte_level_vocab
+torch.manual_seed(0)
+cfg = tf.Gemma3TextConfig(vocab_size=262144, hidden_size=640, intermediate_size=2048, num_hidden_layers=18,
+                          num_attention_heads=4, num_key_value_heads=1, head_dim=256, sliding_window=512,
+                          max_position_embeddings=32768, query_pre_attn_scalar=256)
+write_gguf("/dev/shm/gemma3-270m-shape-f16.gguf", cfg, tf.Gemma3ForCausalLM(cfg).state_dict().items(), dtype="f16",
+           extra_metadata=byte_level_vocab(262144))
+PY
+for v in $HS_FUSE_GEMMA; do
+  echo "gemma HS_CUDA_FUSE=${v:0:1} HS_CUDA_ATT_FUSE=${v:1:1}"
+  HS_CUDA_FUSE=${v:0:1} HS_CUDA_ATT_FUSE=${v:1:1} hs-bench run -m /dev/shm/gemma3-270m-shape-f16.gguf --reps 3 \
+    --json "$OUT/bench_gemma_fuse$v.json" 2>&1 | tail -2
+done
+fi
 fi
 if [[ $STAGES == *,kq8,* ]]; then  # Q8_0 rows: half-blocks against float x, then staged against x in two planes
 for v in 0 1; do

@@ -87,8 +87,9 @@ def test_programmatic_dependent_launch_gives_the_same_decode(name, tmp_path, mon
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_fused_decode_kernels_give_the_same_decode(name, tmp_path, monkeypatch):
-    """HS_CUDA_FUSE (the default): the layers' norms folded into the q/k/v and gate/up GEMVs, the gated
-    activation into gate/up, one token's k/v store and the split-KV combine into the attention kernel.
+    """HS_CUDA_FUSE and HS_CUDA_ATT_FUSE (the defaults): the layers' RMS norms folded into the q/k/v and
+    gate/up GEMVs, the gated activation into gate/up, one token's k/v store and the split-KV combine
+    into the attention kernel.
     Decode steps op by op and replayed as CUDA graphs give the logits of the kernels apart (fp32 sums in
     another order), and the llama-family and Gemma blocks do take the fused GEMV."""
     from test_hybrid_cuda import _generator_run
@@ -105,8 +106,8 @@ def test_fused_decode_kernels_give_the_same_decode(name, tmp_path, monkeypatch):
     monkeypatch.setattr(kernels, "matmul_fused", counting)
     runs = []
     for fuse, graphs in (("0", True), ("1", False), ("1", True)):
-        monkeypatch.setenv("HS_CUDA_FUSE", fuse)
-        monkeypatch.setattr(kernels, "CUDA_FUSE", fuse == "1")
+        monkeypatch.setenv("HS_CUDA_ATT_FUSE", fuse)
+        monkeypatch.setattr(kernels, "CUDA_FUSE", fuse)
         m = load_model(GGUFFile(tmp_path / f"{name}.gguf"))
         m.place(m.config.n_layers + 1, torch.device("cuda"))
         logits, graphed = _generator_run(m, ids, feed, graphs=graphs)

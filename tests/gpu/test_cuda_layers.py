@@ -56,10 +56,10 @@ def test_rope_qk_one_launch_for_adjacent_q_and_k(tokens):
 @pytest.mark.parametrize("tokens,window,n_q,n_kv,D", [(1, None, 8, 8, 64), (1, None, 8, 2, 128), (3, None, 4, 1, 256),
                                                      (1, 16, 4, 2, 64), (4, 8, 4, 4, 80)])
 @pytest.mark.parametrize("unroll", ["1", "0"])  # HS_CUDA_ATT_UNROLL: the kernel's loads in flight, default and old
-@pytest.mark.parametrize("fuse", ["1", "0"])  # HS_CUDA_FUSE: one token's k/v store and the combine inside, or apart
+@pytest.mark.parametrize("fuse", ["1", "0"])  # HS_CUDA_ATT_FUSE: one token's k/v store and the combine inside, or apart
 def test_attention(cache_dtype, tokens, window, n_q, n_kv, D, unroll, fuse, monkeypatch):
     monkeypatch.setenv("HS_CUDA_ATT_UNROLL", unroll)
-    monkeypatch.setenv("HS_CUDA_FUSE", fuse)
+    monkeypatch.setenv("HS_CUDA_ATT_FUSE", fuse)
     n_ctx, past = 64, 37
     g = torch.Generator(device="cuda").manual_seed(0)
     a, b = KVCache(n_kv, D, n_ctx, "cuda", cache_dtype), KVCache(n_kv, D, n_ctx, "cuda", cache_dtype)

@@ -197,22 +197,22 @@ def test_cuda_matmul_add_is_the_gemv_plus_the_residual(qtype, tokens, rows):
 
 
 @pytest.mark.parametrize("qtype", [Q.F16, Q.BF16, Q.Q8_0])
-@pytest.mark.parametrize("norm", ["none", "rms", "layer", "layer_bias"])
+@pytest.mark.parametrize("norm", [False, True])
 @pytest.mark.parametrize("act,act_on_up", [(None, False), ("silu", False), ("relu", True), ("gelu", False)])
 @pytest.mark.parametrize("tokens,cols,rows", [(1, 4096, 2 * 1500), (3, 1024, 2 * 301), (4, 2048, 2 * 40), (1, 8192, 2 * 7)])
-def test_cuda_rowdot_fused(qtype, norm, act, act_on_up, tokens, cols, rows):
-    """The decode GEMV with the norm before it and the gated activation after it in one kernel, against
-    its twin (norm, matmul, activation apart, in torch) and against the runtime's separate kernels;
-    few rows (slices of a row over 2-4 warps, gate and up warps of one block) and many."""
+def test_cuda_rowdot_fused(qtype, norm, act, act_on_up, tokens, cols, rows, monkeypatch):
+    """The decode GEMV with the RMS norm before it and the gated activation after it in one kernel,
+    against its twin (norm, matmul, activation apart, in torch) and against the runtime's separate
+    kernels; few rows (slices of a row over 2-4 warps, gate and up warps of one block) and many."""
+    monkeypatch.setattr(kernels, "CUDA_FUSE", "1")  # every size
     w = random_rows(qtype, rows, cols, seed=rows + cols).cuda()
     x = torch.randn(tokens, cols, device="cuda") * 3 + 1
-    nw, nb = torch.randn(cols, device="cuda"), torch.randn(cols, device="cuda")
-    n = None if norm == "none" else kernels.Norm(nw, 1e-5, nb if norm == "layer_bias" else None, norm != "rms")
+    nw = torch.randn(cols, device="cuda")
+    n = kernels.Norm(nw, 1e-5) if norm else None
     assert kernels.fused_ok(x, w, qtype, n)
     got = kernels.matmul_fused(x, w, qtype, n, act, act_on_up)
     apart = kernels.matmul_fused_reference(x, w, qtype, n, act, act_on_up, step=kernels.matmul)
-    twin = kernels.matmul_fused_reference(x.cpu(), w.cpu(), qtype, None if n is None else
-                                          kernels.Norm(nw.cpu(), 1e-5, None if n.bias is None else nb.cpu(), n.layer),
+    twin = kernels.matmul_fused_reference(x.cpu(), w.cpu(), qtype, kernels.Norm(nw.cpu(), 1e-5) if norm else None,
                                           act, act_on_up)
     assert got.shape == twin.shape == (tokens, rows // 2 if act else rows)
     scale = max(1.0, twin.abs().max().item())
@@ -220,22 +220,35 @@ def test_cuda_rowdot_fused(qtype, norm, act, act_on_up, tokens, cols, rows):
     torch.testing.assert_close(got.cpu(), twin, rtol=1e-4, atol=1e-4 * scale)
 
 
-def test_cuda_rowdot_fused_falls_back_and_refuses():
-    """Where the kernel cannot take x (too many tokens for its shared memory, Q4_0 rows, HS_CUDA_FUSE=0)
-    matmul_fused runs the steps apart with the same result; the op itself refuses with one clear line."""
-    w = random_rows(Q.F16, 64, 8192, seed=1).cuda()
-    x = torch.randn(2, 8192, device="cuda")  # 64 KiB of x: over the 48 KiB the kernel stages
-    n = kernels.Norm(torch.randn(8192, device="cuda"), 1e-6)
+def test_cuda_rowdot_fused_falls_back_and_refuses(monkeypatch):
+    """Where the kernel cannot take its input (more than 4 tokens, a layer norm, Q4_0 rows, HS_CUDA_FUSE
+    off) matmul_fused runs the steps apart with the same result; the op itself refuses with one clear
+    line."""
+    w = random_rows(Q.F16, 64, 512, seed=1).cuda()
+    x = torch.randn(5, 512, device="cuda")
+    n = kernels.Norm(torch.randn(512, device="cuda"), 1e-6)
     assert not kernels.fused_ok(x, w, Q.F16, n)
+    assert kernels.fused_ok(x[:1], w, Q.F16, n)
+    big = torch.empty(kernels.CUDA_FUSE_MAX_BYTES // 1024 + 1, 512, dtype=torch.float16, device="cuda")
+    assert not kernels.fused_ok(x[:1], big, Q.F16, n)  # a large GEMV streams faster apart (HS_CUDA_FUSE=auto)
+    monkeypatch.setattr(kernels, "CUDA_FUSE", "1")
+    assert kernels.fused_ok(x[:1], big, Q.F16, n)
+    monkeypatch.setattr(kernels, "CUDA_FUSE", "0")
+    assert not kernels.fused_ok(x[:1], w, Q.F16, n)
+    monkeypatch.setattr(kernels, "CUDA_FUSE", "auto")
     torch.testing.assert_close(kernels.matmul_fused(x, w, Q.F16, n), kernels.matmul(n(x), w, Q.F16))
-    with pytest.raises(RuntimeError, match="do not fit"):
-        kernels.ops().rowdot_fused(w, int(Q.F16), x, n.weight, None, 1e-6, 1, -1, False)
+    layer = kernels.Norm(n.weight, 1e-5, torch.randn(512, device="cuda"), layer=True)
+    assert not kernels.fused_ok(x[:1], w, Q.F16, layer)
+    torch.testing.assert_close(kernels.matmul_fused(x[:1], w, Q.F16, layer, "silu"),
+                               kernels.matmul_fused_reference(x[:1], w, Q.F16, layer, "silu", step=kernels.matmul))
+    with pytest.raises(RuntimeError, match="1 to 4 tokens, got 5"):
+        kernels.ops().rowdot_fused(w, int(Q.F16), x, n.weight, 1e-6, -1, False)
     q4 = random_rows(Q.Q4_0, 64, 512, seed=2).cuda()
-    assert not kernels.fused_ok(x[:, :512], q4, Q.Q4_0)
+    assert not kernels.fused_ok(x[:1], q4, Q.Q4_0)
     with pytest.raises(RuntimeError, match="Q4_0 rows are not supported"):
-        kernels.ops().rowdot_fused(q4, int(Q.Q4_0), x[:1, :512].contiguous(), None, None, 0.0, 0, -1, False)
+        kernels.ops().rowdot_fused(q4, int(Q.Q4_0), x[:1].contiguous(), None, 0.0, -1, False)
     with pytest.raises(RuntimeError, match="gate rows then up rows"):
-        kernels.ops().rowdot_fused(w[:63], int(Q.F16), x[:1], None, None, 0.0, 0, 0, False)
+        kernels.ops().rowdot_fused(w[:63], int(Q.F16), x[:1].contiguous(), None, 0.0, 0, False)
 
 
 @pytest.mark.parametrize("graph", [False, True])
