@@ -46,7 +46,7 @@ def machine() -> dict:
     if torch.cuda.is_available():
         p = torch.cuda.get_device_properties(0)
         info.update(gpu=p.name, gpu_memory_gib=round(p.total_memory / 2**30, 1))
-    settings = {k: v for k, v in sorted(os.environ.items()) if k in RUNTIME_SWITCHES}
+    settings = {k: v for k, v in sorted(os.environ.items()) if k in RUNTIME_SWITCHES and v}
     if settings:  # the runtime's switches in force (HS_HANDOVER, HS_ACT_PLANES, ...): part of what was measured
         info["settings"] = settings
     return info
@@ -657,6 +657,8 @@ def _table(args) -> int:
         for r in d["results"]:
             ours = r["engine"] == "hybridsparse"
             label = r["engine"] + ("" if r.get("cuda_graphs", True) else " (no CUDA graphs)")
+            if ours and m.get("settings"):  # the switches it ran with (HS_CUDA_FUSE=0, ...)
+                label += "".join(f", {k}={v}" for k, v in m["settings"].items() if v)
             ratio = f"{d['decode_ratio_vs_llama_cpp']:.2f}x" if ours and "decode_ratio_vs_llama_cpp" in d else ""
             frac = f"{100 * d['fraction_of_bound']:.0f}%" if ours and r.get("cuda_graphs", True) else ""
             name = Path(r.get('model', d['results'][0].get('model', '?'))).name
