@@ -152,6 +152,9 @@ struct QuantX {
   const int8_t* __restrict__ q1;  // [T, K]: what the first leaves, in steps of d
   const float2* __restrict__ dd;  // [T, K / 32]: (d, d * sum(128 * q0 + q1)) per block
   int64_t K;
+  // HS_ACT_PLANES=1: the first plane alone (llama.cpp's 8-bit activations, the CPU kernels' switch):
+  // q1 is zero and neither read nor multiplied, half the dp4a and half the loads of x
+  bool one;
   __device__ __forceinline__ int2 plane(const int8_t* p, int64_t t, int64_t col) const {
     return __ldg(reinterpret_cast<const int2*>(p + t * K + col));
   }
@@ -159,10 +162,12 @@ struct QuantX {
   // row-dot), with four 16-byte loads of the planes
   __device__ __forceinline__ int block_dot(const int* w, int64_t t, int64_t b) const {
     const int4* p0 = reinterpret_cast<const int4*>(q0 + t * K + b * QK);
-    const int4* p1 = reinterpret_cast<const int4*>(q1 + t * K + b * QK);
-    const int4 a = __ldg(p0), a2 = __ldg(p0 + 1), c = __ldg(p1), c2 = __ldg(p1 + 1);
+    const int4 a = __ldg(p0), a2 = __ldg(p0 + 1);
     int s0 = __dp4a(w[0], a.x, __dp4a(w[1], a.y, __dp4a(w[2], a.z, __dp4a(w[3], a.w, 0))));
     s0 = __dp4a(w[4], a2.x, __dp4a(w[5], a2.y, __dp4a(w[6], a2.z, __dp4a(w[7], a2.w, s0))));
+    if (one) return s0 * 128;
+    const int4* p1 = reinterpret_cast<const int4*>(q1 + t * K + b * QK);
+    const int4 c = __ldg(p1), c2 = __ldg(p1 + 1);
     int s1 = __dp4a(w[0], c.x, __dp4a(w[1], c.y, __dp4a(w[2], c.z, __dp4a(w[3], c.w, 0))));
     s1 = __dp4a(w[4], c2.x, __dp4a(w[5], c2.y, __dp4a(w[6], c2.z, __dp4a(w[7], c2.w, s1))));
     return s0 * 128 + s1;
@@ -181,9 +186,12 @@ struct QuantX {
 #pragma unroll
     for (int t = 0; t < T; ++t) {
       const int2 a = plane(q0, t, col), a2 = plane(q0, t, col + 16);
-      const int2 b = plane(q1, t, col), b2 = plane(q1, t, col + 16);
       const int hi = __dp4a(h1, a2.y, __dp4a(h0, a2.x, __dp4a(l1, a.y, __dp4a(l0, a.x, 0))));
-      const int lo = __dp4a(h1, b2.y, __dp4a(h0, b2.x, __dp4a(l1, b.y, __dp4a(l0, b.x, 0))));
+      int lo = 0;
+      if (!one) {
+        const int2 b = plane(q1, t, col), b2 = plane(q1, t, col + 16);
+        lo = __dp4a(h1, b2.y, __dp4a(h0, b2.x, __dp4a(l1, b.y, __dp4a(l0, b.x, 0))));
+      }
       const float2 xd = dd[t * (K / QK) + (u >> 1)];
       // the weights' offset of 8: the block's whole term, counted by the lane of its first half
       acc[t] += dw * (xd.x * static_cast<float>(hi * 128 + lo) - (s == 0 ? 8.f * xd.y : 0.f));
@@ -469,9 +477,10 @@ __device__ __forceinline__ float round_half_away(float v) {  // csrc/cpu_dot.h's
 }
 
 // x [n_blocks * 32] to QuantX's planes, one warp per 32-element block, with the CPU's float steps
-// (csrc/cpu_dot.h quantize_two_planes; no fused multiply-adds)
+// (csrc/cpu_dot.h quantize_two_planes; no fused multiply-adds); one: the second plane zero, as the
+// CPU's quantize_act_q8 with HS_ACT_PLANES=1
 __global__ void quantize_x_kernel(const float* __restrict__ x, int64_t n_blocks, int8_t* __restrict__ q0,
-                                  int8_t* __restrict__ q1, float2* __restrict__ dd) {
+                                  int8_t* __restrict__ q1, float2* __restrict__ dd, bool one) {
   pdl_wait();
   pdl_launch_dependents();
   const int lane = threadIdx.x % 32;
@@ -484,7 +493,7 @@ __global__ void quantize_x_kernel(const float* __restrict__ x, int64_t n_blocks,
   const float d0 = __fdiv_rn(amax, 127.f), id0 = d0 != 0.f ? __fdiv_rn(1.f, d0) : 0.f;
   const float id1 = __fmul_rn(id0, 128.f);
   const float a = round_half_away(__fmul_rn(v, id0));
-  const float c = round_half_away(__fmul_rn(__fsub_rn(v, __fmul_rn(d0, a)), id1));
+  const float c = one ? 0.f : round_half_away(__fmul_rn(__fsub_rn(v, __fmul_rn(d0, a)), id1));
   q0[b * QK + lane] = static_cast<int8_t>(a);
   q1[b * QK + lane] = static_cast<int8_t>(c);
   int sum = static_cast<int>(a) * 128 + static_cast<int>(c);
@@ -674,8 +683,9 @@ void launch_rowdot(int64_t qtype, const uint8_t* w, int64_t row_bytes, const flo
   int8_t* q0 = reinterpret_cast<int8_t*>(xq);
   int8_t* q1 = q0 + n;
   float2* dd = reinterpret_cast<float2*>(xq + 2 * n);
-  launch(quantize_x_kernel, dim3((n_blocks + 7) / 8), dim3(256), 0, stream, x, n_blocks, q0, q1, dd);
-  const QuantX qx{q0, q1, dd, K};
+  const bool one = env_is("HS_ACT_PLANES", '1');
+  launch(quantize_x_kernel, dim3((n_blocks + 7) / 8), dim3(256), 0, stream, x, n_blocks, q0, q1, dd, one);
+  const QuantX qx{q0, q1, dd, K, one};
   // Q8_0 rows get scratch only for the staged kernel (rowdot_scratch_bytes)
   if (qtype == Q8_0) return rowdot_launch<Q8_0, true>(w, row_bytes, qx, K, idx, mask, n_out, y, res, T, stream);
   if (staged_ok(w, row_bytes) && !env_off("HS_CUDA_STAGED"))
