@@ -23,6 +23,7 @@
 #   fuse: GPU tests of the fused decode kernels, then a 7B-shaped F16 model all on the GPU with the norms and gated
 #   activation folded into the GEMVs and not (HS_CUDA_FUSE), the k/v store and attention combine folded into the
 #   attention kernel and not (HS_CUDA_ATT_FUSE), alternating (HS_FUSE_RUNS), then where its decode step's time goes
+#   kq4: the Q4_0 row-dot against x in two 8-bit planes and in one (HS_ACT_PLANES=2/1), alternating, after its tests
 #   kq8: the Q8_0 row-dot as it is and staged against x in two planes (HS_CUDA_STAGED_Q8=1), side by side
 set -uo pipefail
 OUT=${OUT:-gpu-results}
@@ -200,6 +201,13 @@ for v in $HS_FUSE_GEMMA; do
     --json "$OUT/bench_gemma_fuse$v.json" 2>&1 | tail -2
 done
 fi
+fi
+if [[ $STAGES == *,kq4,* ]]; then
+timeout 240 python3 -m pytest -q --tb=short -rf tests/gpu/test_cuda_sparse.py -k staged 2>&1 | tee "$OUT/pytest-kq4.txt" | tail -5
+for v in 2 1 2 1; do
+  HS_ACT_PLANES=$v hs-bench kernels --device cuda --types Q4_0 --shapes llama-2-70b,falcon-40b --densities 1.0,0.1 \
+    --reps 3 --json "$OUT/kernels-cuda-q4-planes$v.json" 2>&1 | tail -5
+done
 fi
 if [[ $STAGES == *,kq8,* ]]; then  # Q8_0 rows: half-blocks against float x, then staged against x in two planes
 for v in 0 1; do
