@@ -84,7 +84,12 @@ _polled_tasks: list[int] | None = None  # while a decode step is captured: its p
 # 64-token prompt ran at 409-514 tok/s this way against 376-411 with the per-row kernels; alternating
 # with llama.cpp in one process (`hs-bench run --llama-cpp`, 128 generated tokens) at 239-276 against
 # 350-385 (torch's GEMM suffers more from the other library's threads), so the switch stays at 128.
+# In bfloat16 (CPU_GEMM_BF16) the GEMM wins from fewer tokens: Gemma 3 270M Q4_K_M, 2 threads of the dev
+# VM, session 20, alternating: 16-token prompts 378 / 387 tok/s with the per-row kernels against 308 /
+# 305 with the GEMM, 32 tokens 382 / 393 against 347 / 500, 64 tokens 426 / 441 against 794 / 709.
+# HS_CPU_GEMM_TOKENS sets both.
 CPU_GEMM_TOKENS = int(os.environ.get("HS_CPU_GEMM_TOKENS", "128"))
+CPU_GEMM_TOKENS_BF16 = int(os.environ.get("HS_CPU_GEMM_TOKENS", "48"))
 _CPU_GEMM_CHUNK_ROWS = 1024
 # The sparse row-dot / axpy over listed rows (a hybrid model's cold neurons during a long prefill or a
 # big server batch) switch to gathered slices and GEMM later: the per-row kernels win up to ~384 tokens
@@ -410,7 +415,7 @@ def matmul(x: torch.Tensor, data: torch.Tensor, qtype: Q) -> torch.Tensor:
                           for i in range(0, data.shape[0], n)], dim=-1)
     if qtype == Q.F32:
         return F.linear(x, data)
-    if x.shape[0] >= CPU_GEMM_TOKENS:
+    if x.shape[0] >= cpu_gemm_tokens(qtype):
         return cpu_gemm(x, data, qtype)
     if qtype in CPU_QTYPES and ops() is not None:
         return cpu.qmatmul(data, int(qtype), x.contiguous())
@@ -437,13 +442,61 @@ def dequantize_cpu(data: torch.Tensor, qtype: Q) -> torch.Tensor:
     return dequantize(data, qtype)
 
 
+# CPU GEMMs (prompts of CPU_GEMM_TOKENS tokens or more, big batches) in bfloat16 where the CPU has
+# bfloat16 instructions (AVX512-BF16 or AMX, which torch's oneDNN kernels use): x, each dequantized
+# slice of rows and the products rounded to bfloat16, the sums in float32. For block-format (and
+# bfloat16) weights, where llama.cpp itself meets the rows with 8-bit activations; float16 weights
+# keep float32. HS_CPU_GEMM_BF16=0: never, =1: on any CPU (emulated where it lacks the instructions).
+CPU_GEMM_BF16 = os.environ.get("HS_CPU_GEMM_BF16", "auto")
+
+
+def cpu_gemm_bf16(qtype: Q) -> bool:
+    """Whether `cpu_gemm` and its sparse forms multiply rows of this type in bfloat16."""
+    if CPU_GEMM_BF16 == "0" or qtype in (Q.F32, Q.F16):
+        return False
+    return CPU_GEMM_BF16 == "1" or _cpu_has_bf16()
+
+
+def cpu_gemm_tokens(qtype: Q) -> int:
+    """From how many tokens a CPU matmul of rows of this type takes `cpu_gemm`."""
+    return CPU_GEMM_TOKENS_BF16 if cpu_gemm_bf16(qtype) else CPU_GEMM_TOKENS
+
+
+def _cpu_has_bf16() -> bool:
+    if not hasattr(_cpu_has_bf16, "known"):
+        try:
+            _cpu_has_bf16.known = bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+        except AttributeError:  # a torch without these probes
+            _cpu_has_bf16.known = False
+    return _cpu_has_bf16.known
+
+
+def _rows_for_gemm(rows: torch.Tensor, qtype: Q, bf16: bool) -> torch.Tensor:
+    """A slice of stored rows as the GEMM takes them: float32, or bfloat16 (bfloat16 rows as they are)."""
+    if bf16 and qtype == Q.BF16:
+        return rows
+    w = dequantize_cpu(rows, qtype)
+    return w.to(torch.bfloat16) if bf16 else w
+
+
+def _gemm_into(x: torch.Tensor, xb: torch.Tensor | None, w: torch.Tensor, out: torch.Tensor) -> None:
+    """out = x @ w.T, in bfloat16 when xb (x as bfloat16) is given."""
+    if xb is None:
+        torch.matmul(x, w.T, out=out)
+    else:
+        out.copy_(torch.matmul(xb, w.T))
+
+
 def cpu_gemm(x: torch.Tensor, data: torch.Tensor, qtype: Q) -> torch.Tensor:
     """Many tokens on the CPU: dequantize a slice of rows at a time (never the whole weight in float32)
-    and let torch's GEMM do the arithmetic."""
+    and let torch's GEMM do the arithmetic (in bfloat16 where `cpu_gemm_bf16`)."""
     rows = data.shape[0]
     out = torch.empty(x.shape[0], rows, dtype=torch.float32)
+    bf16 = cpu_gemm_bf16(qtype)
+    xb = x.to(torch.bfloat16) if bf16 else None
     for i in range(0, rows, _CPU_GEMM_CHUNK_ROWS):
-        torch.matmul(x, dequantize_cpu(data[i:i + _CPU_GEMM_CHUNK_ROWS], qtype).T, out=out[:, i:i + _CPU_GEMM_CHUNK_ROWS])
+        _gemm_into(x, xb, _rows_for_gemm(data[i:i + _CPU_GEMM_CHUNK_ROWS], qtype, bf16),
+                   out[:, i:i + _CPU_GEMM_CHUNK_ROWS])
     return out
 
 
@@ -453,22 +506,26 @@ def cpu_gemm_rows(x: torch.Tensor, data: torch.Tensor, qtype: Q, idx: torch.Tens
     if idx is None:
         return cpu_gemm(x, data, qtype)
     out = torch.empty(x.shape[0], idx.numel(), dtype=torch.float32)
+    bf16 = cpu_gemm_bf16(qtype)
+    xb = x.to(torch.bfloat16) if bf16 else None
     for i in range(0, idx.numel(), _CPU_GEMM_CHUNK_ROWS):
         rows = data.index_select(0, idx[i:i + _CPU_GEMM_CHUNK_ROWS].long())
-        torch.matmul(x, dequantize_cpu(rows, qtype).T, out=out[:, i:i + _CPU_GEMM_CHUNK_ROWS])
+        _gemm_into(x, xb, _rows_for_gemm(rows, qtype, bf16), out[:, i:i + _CPU_GEMM_CHUNK_ROWS])
     return out
 
 
 def cpu_gemm_t_rows(h: torch.Tensor, data: torch.Tensor, qtype: Q, idx: torch.Tensor | None) -> torch.Tensor:
     """y[T, in] = h[T, |idx|] @ dequantize(data[idx]), a slice of gathered rows at a time (the sparse
-    axpy of a long prefill or a big batch)."""
+    axpy of a long prefill or a big batch; in bfloat16 where `cpu_gemm_bf16`, summed in float32)."""
     n = data.shape[0] if idx is None else idx.numel()
+    bf16 = cpu_gemm_bf16(qtype)
+    hh = h.to(torch.bfloat16) if bf16 else h
     out = None
     for i in range(0, n, _CPU_GEMM_CHUNK_ROWS):
         rows = data[i:i + _CPU_GEMM_CHUNK_ROWS] if idx is None else \
             data.index_select(0, idx[i:i + _CPU_GEMM_CHUNK_ROWS].long())
-        part = h[:, i:i + _CPU_GEMM_CHUNK_ROWS] @ dequantize_cpu(rows, qtype)
-        out = part if out is None else out.add_(part)
+        part = hh[:, i:i + _CPU_GEMM_CHUNK_ROWS] @ _rows_for_gemm(rows, qtype, bf16)
+        out = part.float() if out is None else out.add_(part)
     return out if out is not None else h.new_zeros(h.shape[0], row_elements(qtype, data.shape[1] * data.element_size()))
 
 

@@ -93,7 +93,8 @@ def linear_many(x: torch.Tensor, ws: list[QWeight], norm: kernels.Norm | None = 
         if span is not None and kernels.fused_ok(x, span.data, span.qtype, norm):
             return list(kernels.matmul_fused(x, span.data, span.qtype, norm).split([w.out_features for w in ws], dim=-1))
         x = norm(x)
-    if kernels.use_cpu_op(x) and x.shape[0] < kernels.CPU_GEMM_TOKENS and all(w.qtype in kernels.CPU_QTYPES for w in ws):
+    if kernels.use_cpu_op(x) and all(w.qtype in kernels.CPU_QTYPES and x.shape[0] < kernels.cpu_gemm_tokens(w.qtype)
+                                     for w in ws):
         return kernels.cpu.qmatmul_multi([w.data for w in ws], [int(w.qtype) for w in ws], x.contiguous())
     span = spanning(ws)
     if span is not None:

@@ -245,16 +245,29 @@ def test_compiled_dequantize_matches_gguf(qtype, rows, threads):
 
 @needs_kernels
 @pytest.mark.parametrize("qtype", [Q.F16, Q.BF16, Q.Q4_0, Q.Q8_0, Q.Q4_K, Q.Q6_K])
-def test_many_token_cpu_gemm_matches_twin(qtype, threads):
+@pytest.mark.parametrize("bf16", ["0", "1"])
+def test_many_token_cpu_gemm_matches_twin(qtype, bf16, threads, monkeypatch):
     """From CPU_GEMM_TOKENS tokens on, `matmul` dequantizes slices of rows for torch's GEMM: same result
-    as the twin (and rows beyond one slice are all written)."""
+    as the twin (and rows beyond one slice are all written); in bfloat16 (HS_CPU_GEMM_BF16=1; the
+    default where the CPU has the instructions) for block-format and bfloat16 rows, within bfloat16's
+    rounding of x, the rows and the products; float16 rows stay float32."""
+    monkeypatch.setattr(kernels, "CPU_GEMM_BF16", bf16)
+    in_bf16 = kernels.cpu_gemm_bf16(qtype)
+    assert in_bf16 == (bf16 == "1" and qtype != Q.F16)
     w = random_rows(qtype, kernels._CPU_GEMM_CHUNK_ROWS + 37, 256, seed=3)
-    x = torch.randn(kernels.CPU_GEMM_TOKENS + 3, 256)
-    torch.testing.assert_close(kernels.matmul(x, w, qtype), kernels.matmul_reference(x, w, qtype),
-                               rtol=1e-4, atol=1e-4)
+    x = torch.randn(max(kernels.CPU_GEMM_TOKENS, kernels.CPU_GEMM_TOKENS_BF16) + 3, 256)
+    want = kernels.matmul_reference(x, w, qtype)
+    tol = 2e-2 * want.abs().max().item() if in_bf16 else 1e-4
+    torch.testing.assert_close(kernels.matmul(x, w, qtype), want, rtol=1e-4, atol=tol)
     ws = [QWeight.from_raw(w[:300], qtype, 256), QWeight.from_raw(w[300:400], qtype, 256)]
     for y, q in zip(linear_many(x, ws), ws):
-        torch.testing.assert_close(y, kernels.matmul_reference(x, q.data, qtype), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(y, kernels.matmul_reference(x, q.data, qtype), rtol=1e-4, atol=tol)
+    rows = torch.tensor([5, 1030, 2], dtype=torch.int32)  # the sparse forms of a long prefill
+    torch.testing.assert_close(kernels.cpu_gemm_rows(x, w, qtype, rows), want[:, rows.long()], rtol=1e-4, atol=tol)
+    h = torch.randn(x.shape[0], 3)
+    t_want = h @ kernels.dequantize(w[rows.long()], qtype)
+    torch.testing.assert_close(kernels.cpu_gemm_t_rows(h, w, qtype, rows), t_want, rtol=1e-4,
+                               atol=2e-2 * t_want.abs().max().item() if in_bf16 else 1e-4)
 
 
 QUANT_ACT_BYTES = """
