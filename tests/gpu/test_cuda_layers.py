@@ -52,6 +52,17 @@ def test_rope_qk_one_launch_for_adjacent_q_and_k(tokens):
     assert q.data_ptr() == qkv.data_ptr()  # in place
 
 
+def _twin_caches(n_kv, D, n_ctx, past, dtype):
+    """Two caches holding the same random history in their first `past` positions (one for the twin,
+    one for the op)."""
+    caches = KVCache(n_kv, D, n_ctx, "cuda", dtype), KVCache(n_kv, D, n_ctx, "cuda", dtype)
+    for c in caches:
+        torch.manual_seed(1)
+        c.k[:, :past] = torch.randn(n_kv, past, D, device="cuda").to(dtype)
+        c.v[:, :past] = torch.randn(n_kv, past, D, device="cuda").to(dtype)
+    return caches
+
+
 @pytest.mark.parametrize("cache_dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("tokens,window,n_q,n_kv,D", [(1, None, 8, 8, 64), (1, None, 8, 2, 128), (3, None, 4, 1, 256),
                                                      (1, 16, 4, 2, 64), (4, 8, 4, 4, 80)])
@@ -62,11 +73,7 @@ def test_attention(cache_dtype, tokens, window, n_q, n_kv, D, unroll, fuse, monk
     monkeypatch.setenv("HS_CUDA_ATT_FUSE", fuse)
     n_ctx, past = 64, 37
     g = torch.Generator(device="cuda").manual_seed(0)
-    a, b = KVCache(n_kv, D, n_ctx, "cuda", cache_dtype), KVCache(n_kv, D, n_ctx, "cuda", cache_dtype)
-    for c in (a, b):  # the same history in both
-        torch.manual_seed(1)
-        c.k[:, :past] = torch.randn(n_kv, past, D, device="cuda").to(cache_dtype)
-        c.v[:, :past] = torch.randn(n_kv, past, D, device="cuda").to(cache_dtype)
+    a, b = _twin_caches(n_kv, D, n_ctx, past, cache_dtype)
     q = torch.randn(tokens, n_q, D, device="cuda", generator=g)
     k = torch.randn(tokens, n_kv, D, device="cuda", generator=g)
     v = torch.randn(tokens, n_kv, D, device="cuda", generator=g)
@@ -74,11 +81,7 @@ def test_attention(cache_dtype, tokens, window, n_q, n_kv, D, unroll, fuse, monk
     kv_len = 64  # a graph bucket larger than the filled part: the causal rule must hold on the device
     if n_kv == 1:  # and a long cache: more positions than threads per block
         n_ctx = kv_len = past = 2000
-        a, b = KVCache(n_kv, D, n_ctx + 8, "cuda", cache_dtype), KVCache(n_kv, D, n_ctx + 8, "cuda", cache_dtype)
-        for c in (a, b):
-            torch.manual_seed(1)
-            c.k[:, :past] = torch.randn(n_kv, past, D, device="cuda").to(cache_dtype)
-            c.v[:, :past] = torch.randn(n_kv, past, D, device="cuda").to(cache_dtype)
+        a, b = _twin_caches(n_kv, D, n_ctx + 8, past, cache_dtype)
         positions = torch.arange(past - tokens, past, device="cuda")
     ref = attend_reference(q, k, v, a, Step(positions, kv_len), window, D ** -0.5)
     out = kernels.ops().attention(q, k, v, b.k, b.v, positions, kv_len, window or 0, D ** -0.5)
@@ -96,11 +99,7 @@ def test_attention_decode_steps(cache_dtype, n_q, n_kv, window, graph):
     chunks combined by each (token, head)'s last block (their counters must return to zero for the next
     launch), eagerly and replayed as one CUDA graph, against the twin step by step: outputs and caches."""
     D, past, steps, kv_len = 64, 90, 6, 128  # 4 chunks of 32 positions at the start
-    a, b = KVCache(n_kv, D, kv_len, "cuda", cache_dtype), KVCache(n_kv, D, kv_len, "cuda", cache_dtype)
-    for c in (a, b):
-        torch.manual_seed(1)
-        c.k[:, :past] = torch.randn(n_kv, past, D, device="cuda").to(cache_dtype)
-        c.v[:, :past] = torch.randn(n_kv, past, D, device="cuda").to(cache_dtype)
+    a, b = _twin_caches(n_kv, D, kv_len, past, cache_dtype)
     g = torch.Generator(device="cuda").manual_seed(5)
     qs, ks, vs = (torch.randn(steps, 1, h, D, device="cuda", generator=g) for h in (n_q, n_kv, n_kv))
     q, k, v = qs[0].clone(), ks[0].clone(), vs[0].clone()
@@ -131,11 +130,7 @@ def test_attention_one_chunk(cache_dtype, D, window):
     """A cache short enough for one block per head (no split-KV combine step), an odd head_dim (the
     lanes' scalar path) and a window inside the chunk."""
     n_q, n_kv, past, tokens, kv_len = 4, 2, 20, 2, 24
-    a, b = KVCache(n_kv, D, kv_len, "cuda", cache_dtype), KVCache(n_kv, D, kv_len, "cuda", cache_dtype)
-    for c in (a, b):
-        torch.manual_seed(1)
-        c.k[:, :past] = torch.randn(n_kv, past, D, device="cuda").to(cache_dtype)
-        c.v[:, :past] = torch.randn(n_kv, past, D, device="cuda").to(cache_dtype)
+    a, b = _twin_caches(n_kv, D, kv_len, past, cache_dtype)
     g = torch.Generator(device="cuda").manual_seed(3)
     q, k, v = (torch.randn(tokens, h, D, device="cuda", generator=g) for h in (n_q, n_kv, n_kv))
     positions = torch.arange(past, past + tokens, device="cuda")
