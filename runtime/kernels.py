@@ -395,10 +395,8 @@ def matmul_fused_reference(x: torch.Tensor, data: torch.Tensor, qtype: Q, norm: 
     y = (step or matmul_reference)(x, data, qtype)
     if act is None:
         return y
-    from .layers import ACTIVATIONS
-    gate, up = y.chunk(2, dim=-1)
-    f = ACTIVATIONS[act]
-    return f(gate) * (f(up) if act_on_up else up)
+    from .layers import FFNSpec, gated_act_reference  # layers imports this module: import at call time
+    return gated_act_reference(*y.chunk(2, dim=-1), FFNSpec(act, act_on_up=act_on_up))
 
 
 def matmul(x: torch.Tensor, data: torch.Tensor, qtype: Q) -> torch.Tensor:
