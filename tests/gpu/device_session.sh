@@ -38,6 +38,21 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 ( time python3 -m hybridsparse.runtime.kernels ) 2>&1 | tail -4
 
 STAGES=",${HS_STAGES:-tests,small},"
+# a Gemma-3-270M-shaped model (random weights, F16: the real file cannot travel here) in /dev/shm
+GEMMA_SHAPE=/dev/shm/gemma3-270m-shape-f16.gguf
+write_gemma_shape() {
+[ -f $GEMMA_SHAPE ] || python3 - "$GEMMA_SHAPE" <<'PY'
+import sys, torch, transformers as tf
+from hybridsparse.runtime.convert import write_gguf, byte_level_vocab
+torch.manual_seed(0)
+cfg = tf.Gemma3TextConfig(vocab_size=262144, hidden_size=640, intermediate_size=2048, num_hidden_layers=18,
+                          num_attention_heads=4, num_key_value_heads=1, head_dim=256, sliding_window=512,
+                          max_position_embeddings=32768, query_pre_attn_scalar=256)
+write_gguf(sys.argv[1], cfg, tf.Gemma3ForCausalLM(cfg).state_dict().items(), dtype="f16",
+           extra_metadata=byte_level_vocab(262144))
+PY
+}
+
 M13=/dev/shm/relu-llama-2-13b-f16-powerinfer.gguf  # synth13's model (planted statistics, exact predictors)
 if [[ $STAGES == *,htests,* ]]; then  # the hybrid runtime's GPU tests and the CPU ops they stand on
   timeout ${HS_TEST_TIMEOUT:-300} python3 -m pytest -q --tb=short -rf ${HS_TEST_ARGS:-tests/gpu/test_hybrid_cuda.py tests/gpu/test_pipeline_cuda.py tests/test_sparse_ops.py} ${HS_TEST_K:+-k "$HS_TEST_K"} 2>&1 \
@@ -60,19 +75,9 @@ if [[ $STAGES == *,kcpu,* ]]; then
 fi
 
 if [[ $STAGES == *,small,* ]]; then
-# a Gemma-3-270M-shaped model (random weights, F16: the real file cannot travel here) all on the GPU
-python3 - <<'PY'
-import torch, transformers as tf
-from hybridsparse.runtime.convert import write_gguf, byte_level_vocab
-torch.manual_seed(0)
-cfg = tf.Gemma3TextConfig(vocab_size=262144, hidden_size=640, intermediate_size=2048, num_hidden_layers=18,
-                          num_attention_heads=4, num_key_value_heads=1, head_dim=256, sliding_window=512,
-                          max_position_embeddings=32768, query_pre_attn_scalar=256)
-m = tf.Gemma3ForCausalLM(cfg)
-write_gguf("/dev/shm/gemma3-270m-shape-f16.gguf", cfg, m.state_dict().items(), dtype="f16",
-           extra_metadata=byte_level_vocab(262144))
-PY
-hs-bench run -m /dev/shm/gemma3-270m-shape-f16.gguf --compare-graphs --reps 3 --json "$OUT/bench_gemma_shape_gpu.json" 2>&1 | tail -4
+# the Gemma-3-270M-shaped model all on the GPU
+write_gemma_shape
+hs-bench run -m $GEMMA_SHAPE --compare-graphs --reps 3 --json "$OUT/bench_gemma_shape_gpu.json" 2>&1 | tail -4
 hs-bench synth --shape llama-7b --dtype f16 -o /dev/shm 2>&1 | tail -1
 hs-bench run -m /dev/shm/relu-llama-2-7b-f16.gguf --reps 3 --json "$OUT/bench_llama7b_f16_gpu.json" 2>&1 | tail -4
 python3 tests/gpu/profile_decode.py /dev/shm/relu-llama-2-7b-f16.gguf 2>&1 | tee "$OUT/profile_llama7b.txt" | tail -30
@@ -185,19 +190,10 @@ for v in ${HS_FUSE_RUNS:-00 11 00 11}; do
 done
 python3 tests/gpu/profile_decode.py $M7 2>&1 | tee "$OUT/profile_llama7b_fused.txt" | tail -24
 if [ -n "${HS_FUSE_GEMMA:-}" ]; then  # the same alternation on a Gemma-3-270M-shaped model (launch- and latency-bound)
-python3 - <<'PY'
-import torch, transformers as tf
-from hybridsparse.runtime.convert import write_gguf, byte_level_vocab
-torch.manual_seed(0)
-cfg = tf.Gemma3TextConfig(vocab_size=262144, hidden_size=640, intermediate_size=2048, num_hidden_layers=18,
-                          num_attention_heads=4, num_key_value_heads=1, head_dim=256, sliding_window=512,
-                          max_position_embeddings=32768, query_pre_attn_scalar=256)
-write_gguf("/dev/shm/gemma3-270m-shape-f16.gguf", cfg, tf.Gemma3ForCausalLM(cfg).state_dict().items(), dtype="f16",
-           extra_metadata=byte_level_vocab(262144))
-PY
+write_gemma_shape
 for v in $HS_FUSE_GEMMA; do
   echo "gemma HS_CUDA_FUSE=${v:0:1} HS_CUDA_ATT_FUSE=${v:1:1}"
-  HS_CUDA_FUSE=${v:0:1} HS_CUDA_ATT_FUSE=${v:1:1} hs-bench run -m /dev/shm/gemma3-270m-shape-f16.gguf --reps 3 \
+  HS_CUDA_FUSE=${v:0:1} HS_CUDA_ATT_FUSE=${v:1:1} hs-bench run -m $GEMMA_SHAPE --reps 3 \
     --json "$OUT/bench_gemma_fuse$v.json" 2>&1 | tail -2
 done
 fi
