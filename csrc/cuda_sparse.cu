@@ -267,7 +267,7 @@ rowdot_kernel(const uint8_t* __restrict__ w, int64_t row_bytes, X x, int64_t K,
   rowdot_store<T, S>(acc, k, n_out, y, res);
 }
 
-// FloatX for the fused row-dot: with NORM, x is RMS-normalized on the fly. RMSNorm(x) . w_row =
+// x for the fused row-dot: FloatX's dot without NORM; with NORM, x is RMS-normalized on the fly. RMSNorm(x) . w_row =
 // rstd * sum_c w_row[c] * (nw[c] * x[c]) with rstd = rsqrt(mean(x^2) + eps), and a warp reading a row
 // reads all of x (its slice of x with S warps a row) anyway: it adds up x^2 as it goes (ss) and
 // weighs x by the norm weight nw; the row's dot is scaled by rstd at the end. No norm kernel, no
@@ -279,26 +279,25 @@ struct NormX {
   int64_t K;
   template <int64_t QT, int T>
   __device__ __forceinline__ void add(const uint8_t* wr, int64_t u, float* acc, float* ss) const {
-    using U = Unit<QT>;
-    float q[U::W];
-    const float d = U::load(wr, u, q);
+    if constexpr (!NORM) {
+      FloatX{x, K}.template add<QT, T>(wr, u, acc);
+    } else {
+      using U = Unit<QT>;
+      float q[U::W];
+      const float d = U::load(wr, u, q);
 #pragma unroll
-    for (int c = 0; c < U::W; c += 8) {
-      float4 na = make_float4(1.f, 1.f, 1.f, 1.f), nb = na;
-      if constexpr (NORM) {
+      for (int c = 0; c < U::W; c += 8) {
         const float4* pn = reinterpret_cast<const float4*>(nw + U::col(u, c));
-        na = __ldg(pn);
-        nb = __ldg(pn + 1);
-      }
+        const float4 na = __ldg(pn), nb = __ldg(pn + 1);
 #pragma unroll
-      for (int t = 0; t < T; ++t) {
-        const float4* p = reinterpret_cast<const float4*>(x + t * K + U::col(u, c));
-        const float4 a = __ldg(p), b = __ldg(p + 1);
-        acc[t] += d * (q[c] * (a.x * na.x) + q[c + 1] * (a.y * na.y) + q[c + 2] * (a.z * na.z) +
-                       q[c + 3] * (a.w * na.w) + q[c + 4] * (b.x * nb.x) + q[c + 5] * (b.y * nb.y) +
-                       q[c + 6] * (b.z * nb.z) + q[c + 7] * (b.w * nb.w));
-        if constexpr (NORM)
+        for (int t = 0; t < T; ++t) {
+          const float4* p = reinterpret_cast<const float4*>(x + t * K + U::col(u, c));
+          const float4 a = __ldg(p), b = __ldg(p + 1);
+          acc[t] += d * (q[c] * (a.x * na.x) + q[c + 1] * (a.y * na.y) + q[c + 2] * (a.z * na.z) +
+                         q[c + 3] * (a.w * na.w) + q[c + 4] * (b.x * nb.x) + q[c + 5] * (b.y * nb.y) +
+                         q[c + 6] * (b.z * nb.z) + q[c + 7] * (b.w * nb.w));
           ss[t] += a.x * a.x + a.y * a.y + a.z * a.z + a.w * a.w + b.x * b.x + b.y * b.y + b.z * b.z + b.w * b.w;
+        }
       }
     }
   }
