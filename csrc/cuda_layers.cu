@@ -193,60 +193,60 @@ attention_kernel(const float* q, int64_t sqt, int64_t sqh, C* kc, C* vc, const i
       part_ml[(static_cast<int64_t>(th) * n_chunks + s) * 2 + 1] = 0.f;
     }
   } else {
-  for (int d = tid; d < D; d += blockDim.x) qs[d] = q[t * sqt + h * sqh + d] * scale;
-  const C* kbase = kc + (static_cast<int64_t>(hk) * n_ctx + c0) * D;
-  const C* vbase = vc + (static_cast<int64_t>(hk) * n_ctx + c0) * D;
-  const int n_cached = has_new ? n - 1 : n;  // rows read from the cache
-  __syncthreads();
-  for (int i0 = warp; i0 < n; i0 += ATT_WARPS * KU) {
-    float part[KU];
+    for (int d = tid; d < D; d += blockDim.x) qs[d] = q[t * sqt + h * sqh + d] * scale;
+    const C* kbase = kc + (static_cast<int64_t>(hk) * n_ctx + c0) * D;
+    const C* vbase = vc + (static_cast<int64_t>(hk) * n_ctx + c0) * D;
+    const int n_cached = has_new ? n - 1 : n;  // rows read from the cache
+    __syncthreads();
+    for (int i0 = warp; i0 < n; i0 += ATT_WARPS * KU) {
+      float part[KU];
 #pragma unroll
-    for (int u = 0; u < KU; ++u) {
-      const int i = i0 + u * ATT_WARPS;
-      part[u] = i < n_cached ? lane_dot(kbase + static_cast<int64_t>(i) * D, qs, D, lane)
-                             : (i < n ? lane_dot_new<C>(kn, qs, D, lane) : 0.f);
+      for (int u = 0; u < KU; ++u) {
+        const int i = i0 + u * ATT_WARPS;
+        part[u] = i < n_cached ? lane_dot(kbase + static_cast<int64_t>(i) * D, qs, D, lane)
+                               : (i < n ? lane_dot_new<C>(kn, qs, D, lane) : 0.f);
+      }
+#pragma unroll
+      for (int u = 0; u < KU; ++u) {
+        const float v = warp_sum(part[u]);
+        const int i = i0 + u * ATT_WARPS;
+        if (lane == 0 && i < n) scores[i] = v;
+      }
     }
+    __syncthreads();
+    float mx = -INFINITY;  // every warp finds the chunk's maximum and total itself (n <= 64)
+    for (int i = lane; i < n; i += 32) mx = fmaxf(mx, scores[i]);
 #pragma unroll
-    for (int u = 0; u < KU; ++u) {
-      const float v = warp_sum(part[u]);
-      const int i = i0 + u * ATT_WARPS;
-      if (lane == 0 && i < n) scores[i] = v;
+    for (int off = 16; off > 0; off /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, off));
+    __syncthreads();
+    for (int i = tid; i < n; i += blockDim.x) scores[i] = __expf(scores[i] - mx);
+    __syncthreads();
+    float sum = 0.f;
+    for (int i = lane; i < n; i += 32) sum += scores[i];
+    sum = warp_sum(sum);
+    for (int d = tid; d < D; d += blockDim.x) {
+      float acc[4] = {0.f, 0.f, 0.f, 0.f};
+      // VU rows' loads first, all in flight at once, a partial last round too (rows past the chunk's
+      // end load its last row again and weigh 0: the chunk that ends at the token's position is rarely
+      // a multiple of VU, and a tail loop of dependent rounds made it the slowest block); the new row,
+      // where the chunk has it, comes from vn
+      for (int i = 0; i < n_cached; i += VU) {
+        float vv[VU];
+#pragma unroll
+        for (int j = 0; j < VU; ++j) vv[j] = to_f(vbase[static_cast<int64_t>(min(i + j, n_cached - 1)) * D + d]);
+#pragma unroll
+        for (int j = 0; j < VU; ++j) acc[j % 4] += (i + j < n_cached ? scores[i + j] : 0.f) * vv[j];
+      }
+      if (has_new) acc[0] += scores[n - 1] * cache_round<C>(vn[d]);
+      const float o = (acc[0] + acc[1]) + (acc[2] + acc[3]);
+      if (n_chunks == 1) out[static_cast<int64_t>(th) * D + d] = o / sum;
+      else part_o[(static_cast<int64_t>(th) * n_chunks + s) * D + d] = o;
     }
-  }
-  __syncthreads();
-  float mx = -INFINITY;  // every warp finds the chunk's maximum and total itself (n <= 64)
-  for (int i = lane; i < n; i += 32) mx = fmaxf(mx, scores[i]);
-#pragma unroll
-  for (int off = 16; off > 0; off /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, off));
-  __syncthreads();
-  for (int i = tid; i < n; i += blockDim.x) scores[i] = __expf(scores[i] - mx);
-  __syncthreads();
-  float sum = 0.f;
-  for (int i = lane; i < n; i += 32) sum += scores[i];
-  sum = warp_sum(sum);
-  for (int d = tid; d < D; d += blockDim.x) {
-    float acc[4] = {0.f, 0.f, 0.f, 0.f};
-    // VU rows' loads first, all in flight at once, a partial last round too (rows past the chunk's
-    // end load its last row again and weigh 0: the chunk that ends at the token's position is rarely
-    // a multiple of VU, and a tail loop of dependent rounds made it the slowest block); the new row,
-    // where the chunk has it, comes from vn
-    for (int i = 0; i < n_cached; i += VU) {
-      float vv[VU];
-#pragma unroll
-      for (int j = 0; j < VU; ++j) vv[j] = to_f(vbase[static_cast<int64_t>(min(i + j, n_cached - 1)) * D + d]);
-#pragma unroll
-      for (int j = 0; j < VU; ++j) acc[j % 4] += (i + j < n_cached ? scores[i + j] : 0.f) * vv[j];
+    if (n_chunks == 1) return;
+    if (tid == 0) {
+      part_ml[(static_cast<int64_t>(th) * n_chunks + s) * 2] = mx;
+      part_ml[(static_cast<int64_t>(th) * n_chunks + s) * 2 + 1] = sum;
     }
-    if (has_new) acc[0] += scores[n - 1] * cache_round<C>(vn[d]);
-    const float o = (acc[0] + acc[1]) + (acc[2] + acc[3]);
-    if (n_chunks == 1) out[static_cast<int64_t>(th) * D + d] = o / sum;
-    else part_o[(static_cast<int64_t>(th) * n_chunks + s) * D + d] = o;
-  }
-  if (n_chunks == 1) return;
-  if (tid == 0) {
-    part_ml[(static_cast<int64_t>(th) * n_chunks + s) * 2] = mx;
-    part_ml[(static_cast<int64_t>(th) * n_chunks + s) * 2 + 1] = sum;
-  }
   }
   if (!combine_here) return;
   // the last of the (token, head)'s blocks to get here combines the chunks (threadFenceReduction)
