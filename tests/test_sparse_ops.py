@@ -455,6 +455,11 @@ def test_cold_ffn_serve_polled_handover():
         assert kernels.cpu.cold_ffn_serve([L["task"] for L in layers], 0.05) == 0
         assert time.monotonic() - t0 < 5
         assert "did not hand over a hybrid layer in time" in kernels.cpu.cold_ffn_error()
+        # with CUDA that time-out also raised the word telling every GPU wait to give up, which a model
+        # loaded anew (cold_ffn_attach_sync) lowers again: do that, as a reload would
+        for L in layers:
+            L["sync"].zero_()
+            kernels.cpu.cold_ffn_attach_sync(L["task"], L["sync"])
         layers[1]["sync"][2] = 4  # the GPU's time-out mark on the second layer
         layers[0]["sync"][0] = 4
         assert kernels.cpu.cold_ffn_serve([L["task"] for L in layers], 1.0) == 1
