@@ -790,27 +790,33 @@ HS_AVX512 static inline void axpy_group_f16_avx512(const float* s, const void* c
   }
 }
 
-// The Q4_0 group axpy above with 512-bit lanes: one widening move per block and row (16 bytes -> 16
-// lanes), low and high nibbles one register each. (Q8_0 likewise: two moves, no unpacking.)
-HS_AVX512 static inline void axpy_group_q4_0_avx512(const float* s, const void* const* rows, float* y, int64_t n) {
-  const __m512i m4 = _mm512_set1_epi32(0x0F);
+// Q4_0 rows added into y with 512-bit lanes, G at a time (1: the direct axpy, AXPY_GROUP: the group's):
+// one widening move per block and row (16 bytes -> 16 lanes), and the nibbles turned into floats by a
+// 16-entry table holding q - 8 (vpermps reads only the low 4 bits of each lane: no mask, no offset
+// term). Against a mask, cvtdq2ps and the offset added per block: 7.9 -> 9.3 GiB/s on one Zen 4 core
+// with the rows in cache, 6.4 -> 7.5 from memory.
+template <int G>
+HS_AVX512 static inline void axpy_rows_q4_0_avx512(const float* s, const void* const* rows, float* y, int64_t n) {
+  const __m512 lut = _mm512_setr_ps(-8.f, -7.f, -6.f, -5.f, -4.f, -3.f, -2.f, -1.f, 0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f);
   for (int64_t b = 0; b < n / QK; ++b) {
     float* yb = y + b * QK;
     __m512 a0 = _mm512_loadu_ps(yb), a1 = _mm512_loadu_ps(yb + 16);
-    float scales = 0.f;
-    for (int j = 0; j < AXPY_GROUP; ++j) {
+    for (int j = 0; j < G; ++j) {
       const BlockQ4_0& w = static_cast<const BlockQ4_0*>(rows[j])[b];
-      const float sd = s[j] * _cvtsh_ss(w.d);
-      scales += sd;
-      const __m512 sv = _mm512_set1_ps(sd);
+      const __m512 sv = _mm512_set1_ps(s[j] * _cvtsh_ss(w.d));
       const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.qs)));
-      a0 = _mm512_fmadd_ps(sv, _mm512_cvtepi32_ps(_mm512_and_si512(v, m4)), a0);
-      a1 = _mm512_fmadd_ps(sv, _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), a1);
+      a0 = _mm512_fmadd_ps(sv, _mm512_permutexvar_ps(v, lut), a0);                       // low nibbles
+      a1 = _mm512_fmadd_ps(sv, _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), lut), a1);  // high nibbles
     }
-    const __m512 off = _mm512_set1_ps(-8.f * scales);
-    _mm512_storeu_ps(yb, _mm512_add_ps(a0, off));
-    _mm512_storeu_ps(yb + 16, _mm512_add_ps(a1, off));
+    _mm512_storeu_ps(yb, a0);
+    _mm512_storeu_ps(yb + 16, a1);
   }
+}
+HS_AVX512 static inline void axpy_group_q4_0_avx512(const float* s, const void* const* rows, float* y, int64_t n) {
+  axpy_rows_q4_0_avx512<AXPY_GROUP>(s, rows, y, n);
+}
+HS_AVX512 static inline void axpy_q4_0_avx512(float s, const void* row, float* y, int64_t n) {
+  axpy_rows_q4_0_avx512<1>(&s, &row, y, n);
 }
 
 HS_AVX512 static inline void axpy_group_q8_0_avx512(const float* s, const void* const* rows, float* y, int64_t n) {

@@ -151,7 +151,10 @@ void pick_axpy(int64_t qtype, AxpyRow& direct, AxpyGroup& group) {
     case F16: direct = axpy_f16_avx2; group = cpu_has_avx512() ? axpy_group_f16_avx512 : axpy_group_f16_avx2; break;
     case BF16: direct = axpy_bf16_avx2; break;
     case Q8_0: direct = axpy_q8_0_avx2; group = cpu_has_avx512() ? axpy_group_q8_0_avx512 : axpy_group_q8_0_avx2; break;
-    case Q4_0: direct = axpy_q4_0_avx2; group = cpu_has_avx512() ? axpy_group_q4_0_avx512 : axpy_group_q4_0_avx2; break;
+    case Q4_0:
+      direct = cpu_has_avx512() ? axpy_q4_0_avx512 : axpy_q4_0_avx2;
+      group = cpu_has_avx512() ? axpy_group_q4_0_avx512 : axpy_group_q4_0_avx2;
+      break;
     case Q5_0: direct = axpy_q5_0_avx2; group = axpy_group_q5_0_avx2; break;
   }
 #else
