@@ -7,6 +7,7 @@ the build is impossible the runtime says so in one line and uses the twins.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -460,13 +461,12 @@ def cpu_gemm_tokens(qtype: Q) -> int:
     return CPU_GEMM_TOKENS_BF16 if cpu_gemm_bf16(qtype) else CPU_GEMM_TOKENS
 
 
+@functools.cache
 def _cpu_has_bf16() -> bool:
-    if not hasattr(_cpu_has_bf16, "known"):
-        try:
-            _cpu_has_bf16.known = bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
-        except AttributeError:  # a torch without these probes
-            _cpu_has_bf16.known = False
-    return _cpu_has_bf16.known
+    try:
+        return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+    except AttributeError:  # a torch without these probes
+        return False
 
 
 def _rows_for_gemm(rows: torch.Tensor, qtype: Q, bf16: bool) -> torch.Tensor:

@@ -88,6 +88,7 @@ def linear_many(x: torch.Tensor, ws: list[QWeight], norm: kernels.Norm | None = 
     """Several projections of one input (q/k/v, gate/up): on the CPU one compiled call for all; on
     the GPU one matmul when the weights are consecutive rows of one buffer (see `fuse_rows`). With
     `norm`, of norm(x): folded into that matmul on CUDA where it can (`kernels.matmul_fused`)."""
+    span = None  # found once: the fused GEMV's rows, else the one matmul's
     if norm is not None:
         span = spanning(ws) if x.is_cuda else None
         if span is not None and kernels.fused_ok(x, span.data, span.qtype, norm):
@@ -96,7 +97,8 @@ def linear_many(x: torch.Tensor, ws: list[QWeight], norm: kernels.Norm | None = 
     if kernels.use_cpu_op(x) and all(w.qtype in kernels.CPU_QTYPES and x.shape[0] < kernels.cpu_gemm_tokens(w.qtype)
                                      for w in ws):
         return kernels.cpu.qmatmul_multi([w.data for w in ws], [int(w.qtype) for w in ws], x.contiguous())
-    span = spanning(ws)
+    if span is None:
+        span = spanning(ws)
     if span is not None:
         return list(linear(x, span).split([w.out_features for w in ws], dim=-1))
     return [linear(x, w) for w in ws]
