@@ -18,6 +18,7 @@ int64_t rowdot_scratch_bytes(int64_t qtype, int64_t T, int64_t K, const void* w,
 void launch_axpy(int64_t qtype, const uint8_t* w, int64_t row_bytes, const float* h, int64_t n_rows,
                  const int32_t* idx, int64_t D, float* y, int T, cudaStream_t stream);
 int cuda_max_tokens();
+void launch_dequant_f16(int64_t qtype, const uint8_t* w, int64_t n_blocks, void* out, cudaStream_t stream);
 void launch_rowdot_fused(int64_t qtype, const uint8_t* w, int64_t row_bytes, const float* x, int64_t K,
                          int64_t n_out, float* y, int T, const float* nw, float eps, int act, bool act_on_up,
                          cudaStream_t stream);
@@ -169,6 +170,23 @@ at::Tensor sparse_axpy_cuda(const at::Tensor& w, int64_t qtype, const at::Tensor
   return y;
 }
 
+// Rows of Q4_0 / Q8_0 as float16 [rows, elements] (prefill: cuBLAS multiplies them)
+at::Tensor dequantize_f16_cuda(const at::Tensor& w, int64_t qtype) {
+  HS_CHECK(qtype == Q8_0 || qtype == Q4_0, "dequantize_f16 (CUDA): weight type id ", qtype,
+           " is not supported (Q8_0 and Q4_0 are)");
+  HS_CHECK(w.is_cuda() && w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(),
+           "dequantize_f16 (CUDA): weight must be a contiguous uint8 [rows, row_bytes] GPU tensor");
+  const int64_t row_bytes = w.size(1), n = cuda_row_elements(qtype, row_bytes);
+  HS_CHECK(n > 0, "dequantize_f16 (CUDA): a row of ", row_bytes, " bytes is not a whole number of blocks");
+  HS_CHECK(reinterpret_cast<uintptr_t>(w.data_ptr()) % 2 == 0, "dequantize_f16 (CUDA): weight must be 2-byte aligned");
+  const c10::cuda::CUDAGuard guard(w.device());
+  auto out = at::empty({w.size(0), n}, w.options().dtype(at::kHalf));
+  launch_dequant_f16(qtype, w.data_ptr<uint8_t>(), w.size(0) * n / QK, out.data_ptr(),
+                     c10::cuda::getCurrentCUDAStream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
+}
+
 at::Tensor qmatmul_cuda(const at::Tensor& w, int64_t qtype, const at::Tensor& x) {
   return sparse_rowdot_cuda(w, qtype, x, c10::nullopt, c10::nullopt);
 }
@@ -268,6 +286,7 @@ bool has_cuda() { return true; }
 
 TORCH_LIBRARY_IMPL(hybridsparse, CUDA, m) {
   m.impl("qmatmul", &hs::qmatmul_cuda);
+  m.impl("dequantize_f16", &hs::dequantize_f16_cuda);
   m.impl("sparse_rowdot", &hs::sparse_rowdot_cuda);
   m.impl("matmul_add", &hs::matmul_add_cuda);
   m.impl("rowdot_fused", &hs::rowdot_fused_cuda);

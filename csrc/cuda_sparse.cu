@@ -728,4 +728,52 @@ int fused_max_tokens() { return 4; }
 
 int cuda_max_tokens() { return 8; }
 
+// Q4_0 / Q8_0 rows -> float16, for many-token matmuls (prefill), which cuBLAS then computes: one
+// 32-element block per thread, its 18 / 34 bytes read two at a time (blocks are 2-byte aligned), its
+// 32 halves written as four 16-byte stores. Each value is d * q rounded once to float16, as the torch
+// twin (`quants.dequantize(...).half()`) rounds it: d * q is exact in float32.
+namespace {
+template <int64_t QT>
+__global__ void dequant_f16_kernel(const uint8_t* w, int64_t n_blocks, __half* out) {
+  pdl_wait();
+  pdl_launch_dependents();
+  const int64_t b = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (b >= n_blocks) return;
+  constexpr int BB = QT == Q4_0 ? sizeof(BlockQ4_0) : sizeof(BlockQ8_0);
+  const unsigned short* p = reinterpret_cast<const unsigned short*>(w + b * BB);
+  const float d = __half2float(__ushort_as_half(__ldg(p)));
+  uint32_t v[16];  // the block's halves in pairs, element 2i in the low half of v[i]
+  if (QT == Q4_0) {  // byte j: element j (low nibble) and j + 16 (high nibble), both minus 8
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const uint32_t two = __ldg(p + 1 + i);  // bytes 2i and 2i + 1
+      const float a = static_cast<float>(static_cast<int>(two & 15) - 8) * d;
+      const float c = static_cast<float>(static_cast<int>((two >> 8) & 15) - 8) * d;
+      const float e = static_cast<float>(static_cast<int>((two >> 4) & 15) - 8) * d;
+      const float f = static_cast<float>(static_cast<int>((two >> 12) & 15) - 8) * d;
+      v[i] = __half_as_ushort(__float2half_rn(a)) | (static_cast<uint32_t>(__half_as_ushort(__float2half_rn(c))) << 16);
+      v[8 + i] = __half_as_ushort(__float2half_rn(e)) | (static_cast<uint32_t>(__half_as_ushort(__float2half_rn(f))) << 16);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      const uint32_t two = __ldg(p + 1 + i);
+      const float a = static_cast<float>(static_cast<int8_t>(two & 255)) * d;
+      const float c = static_cast<float>(static_cast<int8_t>(two >> 8)) * d;
+      v[i] = __half_as_ushort(__float2half_rn(a)) | (static_cast<uint32_t>(__half_as_ushort(__float2half_rn(c))) << 16);
+    }
+  }
+  uint4* o = reinterpret_cast<uint4*>(out + b * QK);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) o[i] = make_uint4(v[4 * i], v[4 * i + 1], v[4 * i + 2], v[4 * i + 3]);
+}
+}  // namespace
+
+void launch_dequant_f16(int64_t qtype, const uint8_t* w, int64_t n_blocks, void* out, cudaStream_t stream) {
+  if (n_blocks == 0) return;
+  const dim3 grid(static_cast<unsigned>((n_blocks + 255) / 256)), block(256);
+  if (qtype == Q4_0) launch(dequant_f16_kernel<Q4_0>, grid, block, 0, stream, w, n_blocks, static_cast<__half*>(out));
+  else launch(dequant_f16_kernel<Q8_0>, grid, block, 0, stream, w, n_blocks, static_cast<__half*>(out));
+}
+
 }  // namespace hs

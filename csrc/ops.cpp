@@ -68,6 +68,7 @@ TORCH_LIBRARY(hybridsparse, m) {
   m.def("matmul_add(Tensor w, int qtype, Tensor x, Tensor res) -> Tensor");  // CUDA only (CPU: matmul, then +)
   m.def("rowdot_fused(Tensor w, int qtype, Tensor x, Tensor? norm_w, float eps, int act, bool act_on_up) -> Tensor");  // CUDA only (kernels.matmul_fused_reference is its twin)
   m.def("sparse_axpy(Tensor w, int qtype, Tensor h, Tensor? idx) -> Tensor");
+  m.def("dequantize_f16(Tensor w, int qtype) -> Tensor");  // CUDA only (twin: quants.dequantize, then .half())
   m.def("has_cuda() -> bool", &hs::has_cuda);
 }
 

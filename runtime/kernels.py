@@ -230,6 +230,10 @@ def _register_fakes() -> None:
     def _(w, qtype, h, idx):
         return h.new_empty((h.shape[0], row_elements(Q(qtype), w.shape[1] * w.element_size())))
 
+    @torch.library.register_fake("hybridsparse::dequantize_f16")
+    def _(w, qtype):
+        return w.new_empty((w.shape[0], row_elements(Q(qtype), w.shape[1])), dtype=torch.float16)
+
     @torch.library.register_fake("hybridsparse::qmatmul_t")
     def _(w, qtype, h):
         block, size = GGML_QUANT_SIZES[Q(qtype)]
@@ -409,8 +413,8 @@ def matmul(x: torch.Tensor, data: torch.Tensor, qtype: Q) -> torch.Tensor:
         if qtype in FLOAT_TYPES:
             return F.linear(x.to(data.dtype), data).float()
         # prefill: dequantize a slice of rows at a time to float16 and use cuBLAS
-        n = _slice_rows(data, qtype)
-        return torch.cat([F.linear(x.half(), dequantize(data[i:i + n], qtype).half()).float()
+        n, xh = _slice_rows(data, qtype), x.half()
+        return torch.cat([F.linear(xh, dequantize_f16(data[i:i + n], qtype)).float()
                           for i in range(0, data.shape[0], n)], dim=-1)
     if qtype == Q.F32:
         return F.linear(x, data)
@@ -419,6 +423,16 @@ def matmul(x: torch.Tensor, data: torch.Tensor, qtype: Q) -> torch.Tensor:
     if qtype in CPU_QTYPES and ops() is not None:
         return cpu.qmatmul(data, int(qtype), x.contiguous())
     return matmul_reference(x, data, qtype)
+
+
+def dequantize_f16(data: torch.Tensor, qtype: Q) -> torch.Tensor:
+    """Rows of a weight as float16 [rows, elements]: on the GPU, Q4_0 / Q8_0 in one compiled kernel
+    (csrc/cuda_sparse.cu; the torch twin takes several float32 passes), otherwise the twin, which gives
+    the same values (d * q is exact in float32 and rounded once)."""
+    if (data.is_cuda and qtype in CUDA_QTYPES and data.dtype == torch.uint8 and data.is_contiguous()
+            and _has_cuda_kernels()):
+        return ops().dequantize_f16(data, int(qtype))
+    return dequantize(data, qtype).half()
 
 
 # Formats the compiled dequantizer reads (csrc/dequant.cpp); others go through the torch twin.
@@ -539,7 +553,7 @@ def matmul_t(h: torch.Tensor, data: torch.Tensor, qtype: Q) -> torch.Tensor:
     if data.is_cuda:  # a slice of rows at a time in float16: never a float32 copy of the whole weight
         hh, out, n = h.half(), None, _slice_rows(data, qtype)
         for i in range(0, data.shape[0], n):
-            part = hh[:, i:i + n] @ dequantize(data[i:i + n], qtype).half()
+            part = hh[:, i:i + n] @ dequantize_f16(data[i:i + n], qtype)
             out = part.float() if out is None else out + part.float()
         return out if out is not None else h.new_zeros(h.shape[0], row_elements(qtype, data.shape[1]))
     if qtype == Q.F32:

@@ -41,6 +41,16 @@ def test_gguf_quantize_round_trip(qtype):
     np.testing.assert_array_equal(dequantize(torch.from_numpy(q), qtype).numpy(), gguf_quants.dequantize(q, qtype))
 
 
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q8_0])
+def test_dequantize_f16_is_gguf_rounded_once(qtype):
+    """kernels.dequantize_f16 (the prefill's float16 rows; compiled on the GPU, tests/gpu checks that one
+    bit for bit against this) gives gguf's values rounded once to float16."""
+    raw = random_rows(qtype, 7, 32 * 5, seed=3)
+    got = kernels.dequantize_f16(raw, qtype)
+    assert got.dtype == torch.float16
+    np.testing.assert_array_equal(got.numpy(), gguf_quants.dequantize(raw.numpy(), qtype).astype(np.float16))
+
+
 def test_float_types_dequantize():
     for qtype, dtype in [(Q.F16, torch.float16), (Q.BF16, torch.bfloat16)]:
         w = torch.randn(3, 7).to(dtype)

@@ -313,3 +313,49 @@ def test_cuda_sparse_bad_input():
         kernels.sparse_rowdot(w, Q.Q8_0, torch.randn(1, 64), None)
     with pytest.raises(ValueError, match=r"h must be float32 \[tokens, 16\]"):
         kernels.sparse_axpy(w, Q.Q8_0, torch.randn(1, 15, device="cuda"), None)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q8_0])
+@pytest.mark.parametrize("rows,cols", [(1, 32), (301, 32 * 9), (2200, 4096), (7, 32 * 111)])
+def test_cuda_dequantize_f16_equals_the_twin(qtype, rows, cols):
+    """The compiled prefill dequantizer gives the twin's float16 values bit for bit (d * q is exact in
+    float32, rounded once), for whole weights and for row slices at odd offsets, and they are gguf's."""
+    import numpy as np
+    from gguf import quants as gguf_quants
+    w = random_rows(qtype, rows, cols, seed=rows)
+    for part in (w, w[rows // 3:]):
+        got = kernels.ops().dequantize_f16(part.cuda(), int(qtype)).cpu()
+        assert got.dtype == torch.float16 and got.shape == (part.shape[0], cols)
+        assert torch.equal(got, dequantize(part, qtype).half())
+        ref = gguf_quants.dequantize(part.numpy(), qtype).reshape(part.shape[0], cols)
+        assert np.array_equal(got.numpy(), ref.astype(np.float16))
+    assert kernels.ops().dequantize_f16(w[:0].cuda(), int(qtype)).shape == (0, cols)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q8_0])
+@pytest.mark.parametrize("tokens", [9, 64])
+def test_cuda_prefill_matmuls_through_the_compiled_dequantizer(qtype, tokens, monkeypatch):
+    """kernels.matmul / matmul_t on the GPU past the GEMV's 8 tokens (slices of float16 rows times cuBLAS)
+    agree with the float32 twins, with slices smaller than the weight (several of them, a partial last)."""
+    monkeypatch.setattr(kernels, "DEQUANT_SLICE_BYTES", 4 * 2048 * 100)
+    w = random_rows(qtype, 301, 2048, seed=tokens)
+    x, h = torch.randn(tokens, 2048), torch.randn(tokens, 301)
+    y = kernels.matmul(x.cuda(), w.cuda(), qtype).cpu()
+    ref = kernels.matmul_reference(x, w, qtype)
+    torch.testing.assert_close(y, ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
+    yt = kernels.matmul_t(h.cuda(), w.cuda(), qtype).cpu()
+    ref_t = kernels.matmul_t_reference(h, w, qtype)
+    torch.testing.assert_close(yt, ref_t, rtol=2e-2, atol=2e-2 * ref_t.abs().max().item())
+
+
+def test_cuda_dequantize_f16_refuses():
+    w = random_rows(Q.Q8_0, 16, 64)
+    with pytest.raises(RuntimeError, match="weight type id 1 is not supported"):
+        kernels.ops().dequantize_f16(w.cuda(), int(Q.F16))
+    with pytest.raises(RuntimeError, match="contiguous uint8"):
+        kernels.ops().dequantize_f16(w.cuda()[:, :34], int(Q.Q8_0))
+    with pytest.raises(RuntimeError, match="not a whole number of blocks"):
+        kernels.ops().dequantize_f16(w.cuda()[:, :33].contiguous(), int(Q.Q8_0))
+    # a weight the kernel does not take goes through the twin
+    f = torch.randn(4, 64, dtype=torch.float16)
+    assert torch.equal(kernels.dequantize_f16(f.cuda(), Q.F16).cpu(), f)
