@@ -47,7 +47,17 @@ model, budget = sys.argv[1], float(sys.argv[2])
 mode = sys.argv[3] if len(sys.argv) > 3 else "sampled"
 n = int(sys.argv[4]) if len(sys.argv) > 4 else 16
 torch.set_num_threads(int(os.environ.get("HS_THREADS", "16")))
-lm = open_model(model, hybrid=HybridOptions(vram_budget=budget, mode=mode, n_ctx=512), log_line=print)
+# the plan `hs-bench hybrid` / `scenario` solves: this machine's read bandwidths as measured now (the
+# solver's default figures, 800 / 50 GiB/s, kept S3's attention on the CPU in 14 layers where the
+# scenario puts all 40 on the GPU); HS_PROFILE_DEFAULT_HW=1: the default figures
+hw = None
+if os.environ.get("HS_PROFILE_DEFAULT_HW") != "1":
+    from hybridsparse.runtime.bench import measure_bandwidth_gib_s
+    from hybridsparse.solver.plan import GiB, Hardware
+    bw = {d: measure_bandwidth_gib_s(d) for d in ("cpu", "cuda")}
+    print(f"read bandwidth: CPU {bw['cpu']:.1f} GiB/s, GPU {bw['cuda']:.1f} GiB/s (the plan's figures)")
+    hw = Hardware(bw["cuda"] * GiB, bw["cpu"] * GiB, 20e-6)
+lm = open_model(model, hybrid=HybridOptions(vram_budget=budget, mode=mode, n_ctx=512, hardware=hw), log_line=print)
 m = lm.model
 sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
 
