@@ -8,7 +8,8 @@
   - poll / poll-skip: graphs and skip with the polled hand-over instead of host nodes (HS_HANDOVER=poll),
   - serial: graphs with a parallel-attention block's FFN joined before its attention is queued
     (HS_FFN_OVERLAP=0: Falcon's CPU part no longer overlaps the GPU's attention),
-  - one-plane: graphs with one-plane 8-bit activations for Q4_0/Q5_0/Q8_0 rows (HS_ACT_PLANES=1),
+  - one-plane / poll-one-plane: graphs / poll with one-plane 8-bit activations for Q4_0/Q5_0/Q8_0 rows
+    (HS_ACT_PLANES=1),
   - static: graphs with the CPU FFN's threads on fixed shares of the neurons (HS_FFN_CHUNK=0),
   - t-1: graphs with the host nodes on one thread less than HS_THREADS,
   - noyield / sleep: the pool's idle threads spin without yielding / sleep at once,
@@ -24,7 +25,7 @@
     (HS_TRACE_SKIP=0: with the CPU work; default without it, the GPU's part alone; HS_TRACE_OUT=FILE:
     the Chrome trace),
 and torch's profile of two eager steps. HS_PROFILE_MODES=graphs (a comma list of graphs, unfused, eager,
-events, events-nohg, layers, generate, trace, poll, poll-skip, serial, one-plane, omp, spin, omp-spin, skip, static, t-1, noyield, sleep) runs only those, in that order
+events, events-nohg, layers, generate, trace, poll, poll-skip, poll-one-plane, serial, one-plane, omp, spin, omp-spin, skip, static, t-1, noyield, sleep) runs only those, in that order
 (a mode named twice runs twice: graphs,poll,graphs,poll alternates them), and skips torch's profile
 (unless HS_PROFILE_TORCH=1; HS_PROFILE_ROWS rows of it, by device time on a GPU or by HS_PROFILE_SORT,
 e.g. self_cpu_time_total); HS_THREADS sets the
@@ -96,6 +97,7 @@ VARIANTS = (("graphs", "graphs + host nodes", True, True, {}),
             ("serial", "the same, FFN joined first", True, True, {}),
             ("one-plane", "the same, one-plane act.", True, True, {"HS_ACT_PLANES": "1"}),
             ("poll-skip", "polled, no CPU work", True, True, {"HS_COLD_SKIP": "1"}),
+            ("poll-one-plane", "polled, one-plane act.", True, True, {"HS_ACT_PLANES": "1"}),
             ("static", "the same, fixed shares", True, True, {"HS_FFN_CHUNK": "0"}),
             ("t-1", "the same, one thread less", True, True, {}),
             ("noyield", "the same, pool never yields", True, True, {}),
