@@ -108,6 +108,11 @@ def _collector(yh: torch.Tensor, done):
 # memory pool of a live one (they run one after another on one stream; a pool whose graphs are all gone
 # cannot be reused). HS_HOT_GRAPHS=0: op by op.
 HOT_GRAPHS = os.environ.get("HS_HOT_GRAPHS", "1") != "0"
+
+# More tokens than this in one call (a prompt, a batch of many sequences): the fast device's rows are
+# computed dense, the predictor runs only where a cold part needs it (HybridFFN._dense_batch). The
+# CUDA GEMV kernels take up to this many tokens; past it a matmul reads every row anyway.
+DENSE_BATCH_TOKENS = kernels.CUDA_MAX_GEMV_TOKENS
 _HOT_POOL: dict[torch.device, weakref.ref] = {}  # a live hot-part graph per device, whose pool the next shares
 
 
@@ -292,10 +297,17 @@ class HybridFFN:
 
     # --- compute ---------------------------------------------------------------------------------
 
+    def _dense_batch(self, x: torch.Tensor) -> bool:
+        """Many tokens at once (a prompt, a large batch), more than the GEMV kernels take: the fast
+        device computes its rows dense. Every resident row is read for such a batch anyway, so a mask
+        would save nothing there and only cost accuracy; the predictor then runs only for a cold part
+        (the CPU computes it sparsely, and the mask decides whether streaming it over PCIe wins)."""
+        return self.fast is not None and x.shape[0] > DENSE_BATCH_TOKENS
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         dev = x.device
         with _timed("predictor"):
-            mask = self.active(x)
+            mask = None if (self.n_cold == 0 and self._dense_batch(x)) else self.active(x)
         if self._one_token_handed_over(x):
             return self._decode_host_node(x, mask)
         cold_in, pairs, cold_idx = None, None, None
@@ -384,7 +396,8 @@ class HybridFFN:
             y = self._hot_part(xf, mask)
         with _timed("stream cold"):
             t0 = time.perf_counter()
-            yc = self._stream_cold(xf, None if cold_mask is None else cold_mask.to(fast))
+            dense = cold_mask is None or self._dense_batch(x)  # on the GPU, a prompt's rows are computed dense
+            yc = self._stream_cold(xf, None if dense else cold_mask.to(fast))
             if fast.type == "cuda":
                 torch.cuda.current_stream(fast).synchronize()
             _measured("stream", time.perf_counter() - t0, self.n_cold * self._neuron_bytes)
@@ -454,6 +467,8 @@ class HybridFFN:
         not), None without hot neurons (then nothing is sent)."""
         if not self.n_hot:
             return None
+        if self._dense_batch(x):  # the resident rows dense for a prompt (see _dense_batch)
+            mask = None
         mh = None if mask is None else self._to_fast(mask).index_select(1, self._ids(self._hot_on, self.fast))
         return self._hot(self._to_fast(x), mh)
 
@@ -559,7 +574,7 @@ class HybridFFN:
         down = self.down_t_hot
         if x.is_cuda and x.shape[0] > kernels.CUDA_MAX_GEMV_TOKENS:
             # prefill on the GPU: the resident hot rows as dense matmuls (cuBLAS, block formats
-            # dequantized a slice at a time), the per-token mask applied to the activations
+            # dequantized a slice at a time; mh is None there, see _dense_batch)
             return self._masked_ffn(self.up_hot, self.gate_hot, self.up_bias_hot, mh,
                                     lambda q: kernels.matmul(x, q.data, q.qtype),
                                     lambda h: kernels.matmul_t(h, down.data, down.qtype))

@@ -131,6 +131,42 @@ def test_predictor_mode_uses_predicted_sets(tmp_path):
         assert close == same
 
 
+def test_a_prompt_computes_the_fast_devices_rows_dense(tmp_path, monkeypatch):
+    """More tokens than the GEMV kernels take (a prompt): the fast executor's rows are computed dense and a
+    layer with no cold part runs no predictor, so even predictors that say 'nothing' leave a prompt over
+    all-hot layers exact, while one token follows them; a cold part still follows its predictor."""
+    _, dense = build_case("llama-relu", tmp_path)
+    path = dense.gguf.path
+    c = dense.config
+    ids = torch.arange(1, hybrid.DENSE_BATCH_TOKENS + 5)
+    cache = dense.new_cache(32)
+    with torch.inference_mode():
+        ref = dense.forward(ids, torch.arange(len(ids)), cache, len(ids), all_logits=True)
+    from hybridsparse.predictor_training.train import LayerResult, write_predictors
+    results = [LayerResult(i, 4, 1e9, 1.0, 1.0, 0.5, 0.5, 0, torch.randn(4, c.d_model), torch.randn(c.n_ff, 4))
+               for i in range(c.n_layers)]
+    pred = write_predictors(tmp_path / "p.gguf", results, {})
+    calls = []
+    real = hybrid.LayerPredictor.mask
+    monkeypatch.setattr(hybrid.LayerPredictor, "mask", lambda self, x: (calls.append(x.shape[0]), real(self, x))[1])
+    scale = max(ref.abs().max().item(), 1.0)
+    for hot_share, exact in ((1.0, True), (0.5, False)):
+        calls.clear()
+        model = load_model(GGUFFile(path))
+        rng = np.random.default_rng(2)
+        hot = [np.sort(rng.choice(c.n_ff, int(c.n_ff * hot_share), replace=False)) for _ in range(c.n_layers)]
+        setup_hybrid(model, path, HybridOptions(predictors=str(pred), device="cpu", hot=hot,
+                                                attn_fast=[True] * c.n_layers, head_fast=True), log_line=lambda *_: None)
+        cache = model.new_cache(32)
+        with torch.inference_mode():
+            logits = model.forward(ids, torch.arange(len(ids)), cache, len(ids), all_logits=True)
+            assert calls == ([] if exact else [len(ids)] * c.n_layers)
+            one = model.forward(ids[:1], torch.arange(1), model.new_cache(32), 1, all_logits=True)
+        err = (logits - ref).abs().max().item()
+        assert (err <= 1e-4 * scale) == exact, f"hot share {hot_share}: prompt logits differ by {err:.3g}"
+        assert (one - ref[:1]).abs().max().item() > 1e-3 * scale  # one token: the predictor's (empty) set
+
+
 def test_transposed_down_is_cached_once(tmp_path):
     _, model = build_case("llama-relu", tmp_path)
     path = model.gguf.path
