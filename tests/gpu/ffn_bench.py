@@ -2,7 +2,8 @@
 neurons) on real-scale layers, in GiB/s of the rows it reads: random active sets at given densities,
 each rep a new set (little cache reuse: one layer is hundreds of MB), against a sequential read of the
 same bytes; with 1, 2 and 4 neurons' rows streamed side by side (HS_FFN_ROWS). Not a
-test. Usage: ffn_bench.py [SHAPE ...]; HS_PREFETCH / thread counts via env (FB_THREADS=8,16)."""
+test. Usage: ffn_bench.py [SHAPE ...]; HS_PREFETCH / thread counts / densities via env (FB_THREADS=8,16,
+FB_DENSITIES=0.03,0.07,0.15)."""
 
 import os
 import sys
@@ -19,6 +20,7 @@ SHAPES = {  # d_model, n_ff, weight type, gated
     "falcon-40b-f16": (8192, 32768, Q.F16, False),
     "llama-13b-f16": (5120, 13824, Q.F16, True),
     "llama-70b-q4_0": (8192, 28672, Q.Q4_0, True),
+    "llama-7b-q4_0": (4096, 11008, Q.Q4_0, True),  # S5's rows (CPU only, ~1/3 of the neurons fire)
     "small-q4_0": (1024, 4096, Q.Q4_0, True),  # a smoke test of the script
 }
 kernels.ops()
@@ -40,7 +42,8 @@ for name in names:
         for _ in range(3):
             flat.view(torch.int64).sum()
         seq = 3 * flat.numel() / (time.perf_counter() - t0) / 2**30
-        for density, side in [(dn, r) for dn in (0.03, 0.07, 0.15) for r in (1, 2, 4)]:
+        densities = [float(v) for v in os.environ.get("FB_DENSITIES", "0.03,0.07,0.15").split(",")]
+        for density, side in [(dn, r) for dn in densities for r in (1, 2, 4)]:
             os.environ["HS_FFN_ROWS"] = str(side)
             m = int(n_ff * density)
             total_bytes, total_s = 0, 0.0
