@@ -741,6 +741,102 @@ HS_AVX512 static inline float dot_q5_0_avx512(const void* row, const ActQ8* a, i
   return dot_q45_0_vnni<Q5_0>(row, a, nb);
 }
 
+// Q4_0 rows four blocks (72 bytes) at a time in 512-bit registers (AVX-512 VBMI + VNNI; HS_Q4_WIDE=0
+// turns it off): one byte permute gathers the four blocks' 64 nibble
+// bytes, the low and high nibbles meet activations laid out to match (ActQ4G, arranged once per call),
+// and the Q4_0 offset is an int32 term per lane, so a block costs ~5 vector instructions instead of ~15.
+// One token only (a prompt's tiles keep the per-block form). Dev VM (Zen 4, whose 512-bit integer ops
+// are double-pumped), one thread: 4096-wide rows in cache 13.2 -> 19.6 GiB/s every row, 11.9 -> 15.7
+// listed; the fused FFN over 7B / 13B / 70B Q4_0 rows from memory 1.09-1.18x. The same int32 sums as
+// dot_q45_0_rows; the scales are applied per lane (d_w * d_x), so the float sums round in another order.
+// Activations of blocks 4G .. 4G+3 for them: lo/hi = elements 0..15 / 16..31 of each block, block j at
+// bytes 16j .. 16j+15, one array per plane; int32 lane 4j + k (vpdpbusd's sum of bytes 4L .. 4L+3 of
+// lo and hi) gets corr = -8 * the sum of its 8 elements' 128 * q0 + q1, and d = block j's scale.
+struct alignas(64) ActQ4G {
+  int8_t lo0[64], hi0[64], lo1[64], hi1[64];
+  int32_t corr[16];
+  float d[16];
+};
+
+inline void arrange_q4g(const ActQ8* a, int64_t nb, ActQ4G* g) {
+  for (int64_t G = 0; G < nb / 4; ++G) {
+    ActQ4G& o = g[G];
+    for (int j = 0; j < 4; ++j) {
+      const ActQ8& b = a[4 * G + j];
+      std::memcpy(o.lo0 + 16 * j, b.qs[0], 16);
+      std::memcpy(o.hi0 + 16 * j, b.qs[0] + 16, 16);
+      std::memcpy(o.lo1 + 16 * j, b.qs[1], 16);
+      std::memcpy(o.hi1 + 16 * j, b.qs[1] + 16, 16);
+      for (int k = 0; k < 4; ++k) {
+        int32_t sum = 0;
+        for (int e = 4 * k; e < 4 * k + 4; ++e) sum += act_q(b, e) + act_q(b, e + 16);
+        o.corr[4 * j + k] = -8 * sum;
+        o.d[4 * j + k] = b.d;
+      }
+    }
+  }
+}
+
+#define HS_AVX512_VBMI \
+  __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx512vbmi,avx2,fma,f16c")))
+
+// byte 16j + m of a group's nibbles: byte 18j + 2 + m of its 72 (vpermt2b: 64 and up from the second
+// register); word 4j + k of its scales: word 9j (block j's d)
+alignas(64) inline constexpr uint8_t Q4G_QS_INDEX[64] = {
+    2,  3,  4,  5,  6,  7,  8,  9,  10, 11, 12, 13, 14, 15, 16, 17, 20, 21, 22, 23, 24, 25,
+    26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49,
+    50, 51, 52, 53, 56, 57, 58, 59, 60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70, 71};
+alignas(64) inline constexpr uint16_t Q4G_D_INDEX[32] = {0,  0,  0,  0,  9,  9,  9,  9,  18, 18, 18,
+                                                         18, 27, 27, 27, 27, 0,  0,  0,  0,  0,  0,
+                                                         0,  0,  0,  0,  0,  0,  0,  0,  0,  0};
+
+template <int R, bool ONE_PLANE = false>
+HS_AVX512_VBMI static inline void dot_q4_0_rows_wide(const void* const* rows, const ActQ4G* g, const ActQ8* a,
+                                                     int64_t nb, float* out) {
+  static_assert(PLANE_SHIFT == 128, "the planes combine with a shift by 7");
+  const int64_t ng = nb / 4;
+  const __m512i m4 = _mm512_set1_epi8(0x0F);
+  const __m512i iq = _mm512_load_si512(Q4G_QS_INDEX);
+  const __m512i id = _mm512_load_si512(Q4G_D_INDEX);
+  const uint8_t* w[R];
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) {
+    w[r] = static_cast<const uint8_t*>(rows[r]);
+    acc[r] = _mm512_setzero_ps();
+  }
+  for (int64_t G = 0; G < ng; ++G) {
+    const ActQ4G& x = g[G];
+    const __m512i lo0 = _mm512_load_si512(x.lo0), hi0 = _mm512_load_si512(x.hi0);
+    const __m512i corr = _mm512_load_si512(x.corr);
+    const __m512 dx = _mm512_load_ps(x.d);
+    __m512i lo1 = _mm512_setzero_si512(), hi1 = _mm512_setzero_si512();
+    if constexpr (!ONE_PLANE) {
+      lo1 = _mm512_load_si512(x.lo1);
+      hi1 = _mm512_load_si512(x.hi1);
+    }
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* p = w[r] + G * 4 * sizeof(BlockQ4_0);
+      const __m512i A = _mm512_loadu_si512(p);
+      const __m512i B = _mm512_zextsi128_si512(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 64)));
+      const __m512i q = _mm512_permutex2var_epi8(A, iq, B);
+      const __m512i lo = _mm512_and_si512(q, m4), hi = _mm512_and_si512(_mm512_srli_epi16(q, 4), m4);
+      const __m512i p0 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, lo0), hi, hi0);
+      __m512i v;
+      if constexpr (ONE_PLANE) v = _mm512_add_epi32(_mm512_slli_epi32(p0, 7), corr);
+      else v = _mm512_add_epi32(_mm512_slli_epi32(p0, 7), _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(corr, lo, lo1), hi, hi1));
+      const __m512 dw = _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_permutexvar_epi16(id, A)));
+      acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dw, dx), _mm512_cvtepi32_ps(v), acc[r]);
+    }
+  }
+  float tail[R] = {};
+  if (nb > 4 * ng) {  // the last 1-3 blocks: the 256-bit kernel on the rows' ends
+    const void* ends[R];
+    for (int r = 0; r < R; ++r) ends[r] = w[r] + ng * 4 * sizeof(BlockQ4_0);
+    isa_vnni::dot_q45_0_rows<Q4_0, R, ONE_PLANE>(ends, a + 4 * ng, nb - 4 * ng, tail);
+  }
+  for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(acc[r]) + tail[r];
+}
+
 // The dots of R float16 rows with one x (out[r] = rows[r] . x): R rows streamed side by side, x read
 // once per step, two sums per row; R = 1 is the plain dot. For rows scattered in memory (sparse
 // row-dots, the fused FFN) more streams in flight per core than one row at a time gives.
@@ -864,6 +960,21 @@ inline bool cpu_has_avx512() {
            __builtin_cpu_supports("avx512vnni");
   }();
   return ok;
+#else
+  return false;
+#endif
+}
+
+// The wide Q4_0 dots (dot_q4_0_rows_wide): AVX-512 VNNI plus VBMI's byte permute (Ice Lake and later
+// Xeons, Zen 4), unless HS_Q4_WIDE=0 (read per call: the older 256-bit form, for side-by-side runs).
+inline bool q4_wide() {
+#ifdef HS_X86
+  static const bool vbmi = [] {
+    __builtin_cpu_init();
+    return cpu_has_avx512() && __builtin_cpu_supports("avx512vbmi");
+  }();
+  const char* v = std::getenv("HS_Q4_WIDE");
+  return vbmi && !(v && v[0] == '0' && v[1] == 0);
 #else
   return false;
 #endif

@@ -247,6 +247,31 @@ template <int R>
 HS_AVX512 void dot_q8_0_rows_avx512_1(const void* const* r, const ActQ8* a, int64_t nb, float* o) { dot_q8_0_rows_avx512<R, true>(r, a, nb, o); }
 template <int R>
 HS_AVX2 void dot_q8_0_rows_avx2_1(const void* const* r, const ActQ8* a, int64_t nb, float* o) { dot_q8_0_rows_avx2<R, true>(r, a, nb, o); }
+// Q4_0 rows four blocks at a time against the arranged activations (dot_q4_0_rows_wide; q4_wide())
+using DotRowsQ4G = void (*)(const void* const*, const ActQ4G*, const ActQ8*, int64_t, float*);
+template <int R>
+HS_AVX512_VBMI void dot_q4_0_rows_wide2(const void* const* r, const ActQ4G* g, const ActQ8* a, int64_t nb, float* o) {
+  dot_q4_0_rows_wide<R>(r, g, a, nb, o);
+}
+template <int R>
+HS_AVX512_VBMI void dot_q4_0_rows_wide1(const void* const* r, const ActQ4G* g, const ActQ8* a, int64_t nb, float* o) {
+  dot_q4_0_rows_wide<R, true>(r, g, a, nb, o);
+}
+DotRowsQ4G pick_dot_rows_q4g(int n_rows) {
+  return act_planes() == 1 ? HS_PICK_ROWS(dot_q4_0_rows_wide1) : HS_PICK_ROWS(dot_q4_0_rows_wide2);
+}
+
+// The arranged activations of one token for the wide Q4_0 dots, or empty where they are off (not one
+// token, not Q4_0, no VBMI, HS_Q4_WIDE unset): the groups of four blocks of act (nb blocks)
+std::vector<ActQ4G> arranged_q4g(const std::vector<ActQ8>& act, int64_t T, int64_t nb, bool any_q4_0) {
+  std::vector<ActQ4G> g;
+  if (T == 1 && any_q4_0 && !act.empty() && nb >= 4 && q4_wide()) {
+    g.resize(nb / 4);
+    arrange_q4g(act.data(), nb, g.data());
+  }
+  return g;
+}
+
 // (for activations quantized in this call: act_planes() is read per call by both)
 DotRowsQ8 pick_dot_rows_q8(int64_t qtype, int n_rows) {
   const bool vnni = cpu_has_avx512();
@@ -323,6 +348,10 @@ std::vector<at::Tensor> qmatmul_rows_cpu(const std::vector<at::Tensor>& ws, cons
   }
   const int64_t total = first_row.back();
   if (T == 0 || total == 0) return ys;
+#ifdef HS_X86
+  const std::vector<ActQ4G> act4 = arranged_q4g(act32, T, K / QK,
+                                                std::find(qtypes.begin(), qtypes.end(), Q4_0) != qtypes.end());
+#endif
   const int64_t grain = std::max<int64_t>(16, total / (at::get_num_threads() * 4));
   const int pf = prefetch_mode();
   at::parallel_for(0, total, grain, [&](int64_t begin, int64_t end) {
@@ -349,14 +378,24 @@ std::vector<at::Tensor> qmatmul_rows_cpu(const std::vector<at::Tensor>& ws, cons
       // one token, a sparse listed set of rows: `side` rows streamed side by side (see ffn_rows; rows
       // next to each other in memory go faster one at a time: the hardware prefetcher follows them)
       const int side = (T == 1 && !pf && idx && 2 * M < N && has_dot_rows(qtype)) ? ffn_rows() : 1;
+      const bool wide = qtype == Q4_0 && !act4.empty();  // one token: Q4_0 rows four blocks at a time
       if (side > 1) {
         const DotRows dots = is_float ? pick_dot_rows(side) : nullptr;
         const DotRowsQ8 dots_q = is_float ? nullptr : pick_dot_rows_q8(qtype, side);
+        const DotRowsQ4G dots_w = wide ? pick_dot_rows_q4g(side) : nullptr;
         const void* rws[8];
         for (; k + side <= k_end; k += side) {
           for (int j = 0; j < side; ++j) rws[j] = wp + static_cast<int64_t>(idx[k + j]) * row_bytes;
           if (dots) dots(rws, xp, K, yp + k);
+          else if (dots_w) dots_w(rws, act4.data(), act32.data(), nb, yp + k);
           else dots_q(rws, act32.data(), nb, yp + k);
+        }
+      }
+      if (wide) {  // the rest one at a time (every row, when they are not listed sparsely)
+        const DotRowsQ4G one = pick_dot_rows_q4g(1);
+        for (; k < k_end; ++k) {
+          const void* r = wp + (idx ? static_cast<int64_t>(idx[k]) : k) * row_bytes;
+          one(&r, act4.data(), act32.data(), nb, yp + k);
         }
       }
 #endif
@@ -661,6 +700,11 @@ bool sparse_ffn_fused_cpu(const at::Tensor& x, const at::Tensor& up, int64_t up_
     act32.resize(T * nb);
     for (int64_t t = 0; t < T; ++t) quantize_act_q8(xp + t * K, act32.data() + t * nb, K);
   }
+#ifdef HS_X86
+  // one token of Q4_0 rows: four blocks at a time (HS_Q4_WIDE; gate and up are of one type here)
+  const std::vector<ActQ4G> act4 = arranged_q4g(act32, T, nb, up_type == Q4_0 && (!gated || gate_type == Q4_0));
+  const DotRowsQ4G wide1 = act4.empty() ? nullptr : pick_dot_rows_q4g(1);
+#endif
   const int64_t rb = up.size(1) * up.element_size();
   const uint8_t* upp = static_cast<const uint8_t*>(up.data_ptr());
   const uint8_t* gp = gated ? static_cast<const uint8_t*>(gate->data_ptr()) : nullptr;
@@ -721,6 +765,9 @@ bool sparse_ffn_fused_cpu(const at::Tensor& x, const at::Tensor& up, int64_t up_
         const int per = gated ? 2 : 1;
         const DotRows dots = up_type == F16 ? pick_dot_rows(side_by_side * per) : nullptr;
         const DotRowsQ8 dots_q = up_type == F16 ? nullptr : pick_dot_rows_q8(up_type, side_by_side * per);
+#ifdef HS_X86
+        const DotRowsQ4G dots_w = act4.empty() ? nullptr : pick_dot_rows_q4g(side_by_side * per);
+#endif
         const void* rws[8];
         float val[8];
         for (; k + side_by_side <= r1; k += side_by_side) {
@@ -730,6 +777,9 @@ bool sparse_ffn_fused_cpu(const at::Tensor& x, const at::Tensor& up, int64_t up_
             if (gated) rws[j * per + 1] = gp + r * rb;
           }
           if (dots) dots(rws, xp, K, val);
+#ifdef HS_X86
+          else if (dots_w) dots_w(rws, act4.data(), act32.data(), nb, val);
+#endif
           else dots_q(rws, act32.data(), nb, val);
           for (int j = 0; j < side_by_side; ++j) {
             const int64_t r = ip[k + j];
@@ -752,8 +802,19 @@ bool sparse_ffn_fused_cpu(const at::Tensor& x, const at::Tensor& up, int64_t up_
           if (mp && !mp[t * M + k]) continue;
           const float* xt = xp + t * K;
           const ActQ8* at = dq ? act32.data() + t * nb : nullptr;
-          const float g = gated ? (df ? df(gr, xt, K) : dq(gr, at, nb)) : 0.f;
-          const float u = gate_first && !(g > 0.f) ? 0.f : df ? df(ur, xt, K) : dq(ur, at, nb);
+          const auto qdot = [&](const uint8_t* row) {
+#ifdef HS_X86
+            if (wide1) {  // one token (act4 is empty otherwise)
+              float v;
+              const void* r = row;
+              wide1(&r, act4.data(), act32.data(), nb, &v);
+              return v;
+            }
+#endif
+            return dq(row, at, nb);
+          };
+          const float g = gated ? (df ? df(gr, xt, K) : qdot(gr)) : 0.f;
+          const float u = gate_first && !(g > 0.f) ? 0.f : df ? df(ur, xt, K) : qdot(ur);
           const float h = activation(r, u, g);
           hp[t * M + k] = h;
           if (h == 0.f) continue;  // a ReLU neuron that did not fire costs no down row

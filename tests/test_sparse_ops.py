@@ -310,6 +310,49 @@ def test_one_plane_activations(qtype, monkeypatch):
     torch.testing.assert_close(kernels.sparse_rowdot(w, qtype, x, idx), two, rtol=0, atol=0)
 
 
+def _has_vbmi() -> bool:
+    try:
+        return " avx512vbmi " in " " + open("/proc/cpuinfo").read().replace("\n", " ") + " "
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("planes", ["2", "1"])
+@pytest.mark.parametrize("K", [32 * 8, 32 * 13])  # whole groups of four blocks; three and a 1-block tail
+@pytest.mark.parametrize("rows", ["1", "2", "4"])
+def test_wide_q4_0_dots(planes, K, rows, monkeypatch):
+    """One token of Q4_0 rows four blocks at a time (AVX-512 VBMI; HS_Q4_WIDE=0 the older 256-bit form):
+    the sparse row-dot side by side and one row at a time, the dense GEMV, two weights in one call
+    and the fused FFN give the twin's sums (the same int32 sums; floats summed in another order) with
+    either form, both planes or one, and a row length that is not a whole number of groups."""
+    monkeypatch.setenv("HS_ACT_PLANES", planes)
+    monkeypatch.setenv("HS_FFN_ROWS", rows)
+    n = 203
+    w, w2, down_t = (random_rows(Q.Q4_0, n, K, seed=s) for s in (8, 9, 10))
+    x = torch.randn(1, K, generator=torch.Generator().manual_seed(12))
+    xq = quantize_activations(x, 32, int(planes))
+    wd, w2d = dequantize(w, Q.Q4_0).double(), dequantize(w2, Q.Q4_0).double()
+    few = torch.randperm(n, generator=torch.Generator().manual_seed(13))[:61].int()  # < half: side by side
+    many = torch.randperm(n, generator=torch.Generator().manual_seed(14))[:150].int()  # one at a time
+    results = {}
+    for wide in ("1", "0"):
+        monkeypatch.setenv("HS_Q4_WIDE", wide)
+        got = [kernels.sparse_rowdot(w, Q.Q4_0, x, few), kernels.sparse_rowdot(w, Q.Q4_0, x, many),
+               kernels.matmul(x, w, Q.Q4_0), *kernels.cpu.qmatmul_rows([w, w2], [int(Q.Q4_0)] * 2, x, [few, None])]
+        refs = [xq @ wd[few.long()].T, xq @ wd[many.long()].T, xq @ wd.T, xq @ wd[few.long()].T, xq @ w2d.T]
+        for i, (g, r) in enumerate(zip(got, refs)):
+            scale = (xq.abs() @ wd.abs().T).max()
+            assert ((g.double() - r).abs().max() / scale).item() < 1e-6, f"HS_Q4_WIDE={wide} case {i}"
+        for act, idx in (("relu", few), ("silu", few), ("relu", many)):
+            y, h = kernels.sparse_ffn(x, w, Q.Q4_0, w2, Q.Q4_0, down_t, Q.Q4_0, idx, None, act, False)
+            g_ref, u_ref = xq @ w2d[idx.long()].T, xq @ wd[idx.long()].T
+            h_ref = (torch.relu(g_ref) if act == "relu" else torch.nn.functional.silu(g_ref)) * u_ref
+            torch.testing.assert_close(h.double(), h_ref, rtol=1e-4, atol=1e-4 * h_ref.abs().max().item())
+        results[wide] = got
+    if _has_vbmi():  # the switch took effect: the float sums round in another order somewhere
+        assert any(not torch.equal(a, b) for a, b in zip(results["1"], results["0"]))
+
+
 def test_bad_mask():
     w = random_rows(Q.Q8_0, N_ROWS, 64)
     with pytest.raises(ValueError, match="bool vector of 67"):
