@@ -25,6 +25,7 @@
 #   attention kernel and not (HS_CUDA_ATT_FUSE), alternating (HS_FUSE_RUNS), then where its decode step's time goes
 #   kq4: the Q4_0 row-dot against x in two 8-bit planes and in one (HS_ACT_PLANES=2/1), alternating, after its tests
 #   kq8: the Q8_0 row-dot as it is and staged against x in two planes (HS_CUDA_STAGED_Q8=1), side by side
+#   q4wide: one token's Q4_0 dots on the Xeon four blocks at a time vs the 256-bit form (HS_Q4_WIDE), 1 and 16 threads
 set -uo pipefail
 OUT=${OUT:-gpu-results}
 mkdir -p "$OUT"
@@ -210,6 +211,9 @@ for v in 0 1; do
   HS_CUDA_STAGED_Q8=$v hs-bench kernels --device cuda --types Q8_0 --shapes llama-2-70b,falcon-40b --densities 1.0,0.1 \
     --reps 3 --json "$OUT/kernels-cuda-q8-staged$v.json" 2>&1 | tail -5
 done
+fi
+if [[ $STAGES == *,q4wide,* ]]; then
+python3 tests/gpu/q4_wide_bench.py 1 16 2>&1 | tee "$OUT/q4-wide.txt"
 fi
 if [[ $STAGES == *,sprobe,* ]]; then  # batched hybrid decode step by step (what hs-serve runs with many clients)
 [ -f /dev/shm/relu-llama-2-7b-f16-powerinfer.gguf ] || hs-bench synth --shape relu-llama-2-7b --layout powerinfer -o /dev/shm 2>&1 | tail -1
