@@ -267,7 +267,7 @@ std::vector<ActQ4G> arranged_q4g(const std::vector<ActQ8>& act, int64_t T, int64
   std::vector<ActQ4G> g;
   if (T == 1 && any_q4_0 && !act.empty() && nb >= 4 && q4_wide()) {
     g.resize(nb / 4);
-    arrange_q4g(act.data(), nb, g.data());
+    arrange_q4g_avx512(act.data(), nb, g.data());
   }
   return g;
 }
