@@ -262,7 +262,7 @@ DotRowsQ4G pick_dot_rows_q4g(int n_rows) {
 }
 
 // The arranged activations of one token for the wide Q4_0 dots, or empty where they are off (not one
-// token, not Q4_0, no VBMI, HS_Q4_WIDE unset): the groups of four blocks of act (nb blocks)
+// token, not Q4_0, no VBMI, HS_Q4_WIDE=0): the groups of four blocks of act (nb blocks)
 std::vector<ActQ4G> arranged_q4g(const std::vector<ActQ8>& act, int64_t T, int64_t nb, bool any_q4_0) {
   std::vector<ActQ4G> g;
   if (T == 1 && any_q4_0 && !act.empty() && nb >= 4 && q4_wide()) {
