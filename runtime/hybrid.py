@@ -109,11 +109,12 @@ def _collector(yh: torch.Tensor, done):
 # cannot be reused). HS_HOT_GRAPHS=0: op by op.
 HOT_GRAPHS = os.environ.get("HS_HOT_GRAPHS", "1") != "0"
 
+_HOT_POOL: dict[torch.device, weakref.ref] = {}  # a live hot-part graph per device, whose pool the next shares
+
 # More tokens than this in one call (a prompt, a batch of many sequences): the fast device's rows are
 # computed dense, the predictor runs only where a cold part needs it (HybridFFN._dense_batch). The
 # CUDA GEMV kernels take up to this many tokens; past it a matmul reads every row anyway.
 DENSE_BATCH_TOKENS = kernels.CUDA_MAX_GEMV_TOKENS
-_HOT_POOL: dict[torch.device, weakref.ref] = {}  # a live hot-part graph per device, whose pool the next shares
 
 
 # Many tokens at once (a prefill, a server's batch): the CPU computes every (token, active cold
