@@ -108,7 +108,6 @@ def _collector(yh: torch.Tensor, done):
 # memory pool of a live one (they run one after another on one stream; a pool whose graphs are all gone
 # cannot be reused). HS_HOT_GRAPHS=0: op by op.
 HOT_GRAPHS = os.environ.get("HS_HOT_GRAPHS", "1") != "0"
-
 _HOT_POOL: dict[torch.device, weakref.ref] = {}  # a live hot-part graph per device, whose pool the next shares
 
 # More tokens than this in one call (a prompt, a batch of many sequences): the fast device's rows are
