@@ -742,16 +742,22 @@ def _random_weight(qtype, rows: int, cols: int) -> torch.Tensor:
     return raw.reshape(rows, -1)
 
 
-def _time(f, reps: int, cuda: bool = False) -> float:
+def _time(f, reps: int, cuda: bool = False, warm=None) -> float:
     """Median seconds per call; on the CPU each call after reading 256 MiB (more than any L3), so the
-    rows come from memory. On the GPU the calls are captured in a CUDA graph (as the runtime
-    runs them) and replayed, so the figure is the kernels' time, not Python's launch overhead."""
+    rows come from memory, and then `warm` (the same op on a small weight of its own): the flush also
+    leaves the code, the allocator's structures, the threads and the TLB cold, ~35 us a call on the dev
+    VM (one listed 10 KiB row: 40 us timed right after the flush, 6.8 after a call on other rows, 1.9
+    warm), which no op of a decode step pays, since they follow one another. On the GPU the calls are
+    captured in a CUDA graph (as the runtime runs them) and replayed, so the figure is the kernels'
+    time, not Python's launch overhead."""
     f()
     if not cuda:  # rows read from DRAM, not from a cache warmed by the previous call
         flush = torch.ones((256 << 20) // 4)
         times = []
         for _ in range(reps):
             flush.sum()
+            if warm is not None:
+                warm()
             t = time.perf_counter()
             f()
             times.append(time.perf_counter() - t)
@@ -798,13 +804,20 @@ def _kernels(args) -> int:
             x = torch.randn(1, d_model, device=dev)
             is_float = qtype in (Q.F16, Q.BF16)
             xw = x.to(w.dtype) if is_float else None
-            t_dense = _time(lambda: torch.nn.functional.linear(xw, w), args.reps, cuda) if is_float else None
+            # the CPU's warm-up after each flush: the same ops on 64 rows of another weight (see _time)
+            small = _random_weight(qtype, 64, d_model).to(dev)
+            small_idx = torch.arange(0, 64, 3, dtype=torch.int32, device=dev)  # < half: rows side by side
+            small_h = torch.randn(1, small_idx.numel(), device=dev)
+            warm_dense = (lambda: torch.nn.functional.linear(xw, small)) if is_float else None
+            t_dense = _time(lambda: torch.nn.functional.linear(xw, w), args.reps, cuda, warm_dense) if is_float else None
             for dens in densities:
                 m = max(1, int(n_ff * dens))
                 idx = torch.randperm(n_ff)[:m].sort().values.int().to(dev)
                 h = torch.randn(1, m, device=dev)
-                t_dot = _time(lambda: kernels.sparse_rowdot(w, qtype, x, idx, check=False), args.reps, cuda)
-                t_axpy = _time(lambda: kernels.sparse_axpy(w, qtype, h, idx, check=False), args.reps, cuda)
+                t_dot = _time(lambda: kernels.sparse_rowdot(w, qtype, x, idx, check=False), args.reps, cuda,
+                              lambda: kernels.sparse_rowdot(small, qtype, x, small_idx, check=False))
+                t_axpy = _time(lambda: kernels.sparse_axpy(w, qtype, h, idx, check=False), args.reps, cuda,
+                               lambda: kernels.sparse_axpy(small, qtype, small_h, small_idx, check=False))
                 gib = m * row_bytes / 2**30
                 entry = {"shape": shape, "type": tname, "density": dens, "rows": m,
                          "rowdot_gib_s": gib / t_dot, "axpy_gib_s": gib / t_axpy,
@@ -815,7 +828,8 @@ def _kernels(args) -> int:
                     t_mask = _time(lambda: kernels.sparse_rowdot(w, qtype, x, None, mask, check=False), args.reps, cuda)
                     entry["rowdot_mask_gib_s"] = gib / t_mask
                 if is_float:
-                    t_gather = _time(lambda: torch.nn.functional.linear(xw, w[idx.long()]), args.reps, cuda)
+                    t_gather = _time(lambda: torch.nn.functional.linear(xw, w[idx.long()]), args.reps, cuda,
+                                     lambda: torch.nn.functional.linear(xw, small[small_idx.long()]))
                     entry["torch_gather_gemv_gib_s"] = gib / t_gather
                     entry["torch_dense_gemv_gib_s"] = n_ff * row_bytes / 2**30 / t_dense
                 rows_out.append(entry)
