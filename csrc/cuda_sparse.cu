@@ -733,6 +733,11 @@ int cuda_max_tokens() { return 8; }
 // 32 halves written as four 16-byte stores. Each value is d * q rounded once to float16, as the torch
 // twin (`quants.dequantize(...).half()`) rounds it: d * q is exact in float32.
 namespace {
+// two values rounded to float16, a in the low half
+__device__ __forceinline__ uint32_t half_pair(float a, float b) {
+  return __half_as_ushort(__float2half_rn(a)) | (static_cast<uint32_t>(__half_as_ushort(__float2half_rn(b))) << 16);
+}
+
 template <int64_t QT>
 __global__ void dequant_f16_kernel(const uint8_t* w, int64_t n_blocks, __half* out) {
   pdl_wait();
@@ -743,7 +748,7 @@ __global__ void dequant_f16_kernel(const uint8_t* w, int64_t n_blocks, __half* o
   const unsigned short* p = reinterpret_cast<const unsigned short*>(w + b * BB);
   const float d = __half2float(__ushort_as_half(__ldg(p)));
   uint32_t v[16];  // the block's halves in pairs, element 2i in the low half of v[i]
-  if (QT == Q4_0) {  // byte j: element j (low nibble) and j + 16 (high nibble), both minus 8
+  if constexpr (QT == Q4_0) {  // byte j: element j (low nibble) and j + 16 (high nibble), both minus 8
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
       const uint32_t two = __ldg(p + 1 + i);  // bytes 2i and 2i + 1
@@ -751,8 +756,8 @@ __global__ void dequant_f16_kernel(const uint8_t* w, int64_t n_blocks, __half* o
       const float c = static_cast<float>(static_cast<int>((two >> 8) & 15) - 8) * d;
       const float e = static_cast<float>(static_cast<int>((two >> 4) & 15) - 8) * d;
       const float f = static_cast<float>(static_cast<int>((two >> 12) & 15) - 8) * d;
-      v[i] = __half_as_ushort(__float2half_rn(a)) | (static_cast<uint32_t>(__half_as_ushort(__float2half_rn(c))) << 16);
-      v[8 + i] = __half_as_ushort(__float2half_rn(e)) | (static_cast<uint32_t>(__half_as_ushort(__float2half_rn(f))) << 16);
+      v[i] = half_pair(a, c);
+      v[8 + i] = half_pair(e, f);
     }
   } else {
 #pragma unroll
@@ -760,7 +765,7 @@ __global__ void dequant_f16_kernel(const uint8_t* w, int64_t n_blocks, __half* o
       const uint32_t two = __ldg(p + 1 + i);
       const float a = static_cast<float>(static_cast<int8_t>(two & 255)) * d;
       const float c = static_cast<float>(static_cast<int8_t>(two >> 8)) * d;
-      v[i] = __half_as_ushort(__float2half_rn(a)) | (static_cast<uint32_t>(__half_as_ushort(__float2half_rn(c))) << 16);
+      v[i] = half_pair(a, c);
     }
   }
   uint4* o = reinterpret_cast<uint4*>(out + b * QK);
