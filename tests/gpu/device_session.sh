@@ -26,6 +26,8 @@
 #   kq4: the Q4_0 row-dot against x in two 8-bit planes and in one (HS_ACT_PLANES=2/1), alternating, after its tests
 #   kq8: the Q8_0 row-dot as it is and staged against x in two planes (HS_CUDA_STAGED_Q8=1), side by side
 #   q4wide: one token's Q4_0 dots on the Xeon four blocks at a time vs the 256-bit form (HS_Q4_WIDE), 1 and 16 threads
+#   s5ab: S5's model CPU-only sparse (hs-run --vram-budget 0) with HS_Q4_WIDE=1/0 and HS_ACT_PLANES=2/1, alternating,
+#   at 16 threads and HS_S5_T2=1 also at 2
 set -uo pipefail
 OUT=${OUT:-gpu-results}
 mkdir -p "$OUT"
@@ -214,6 +216,17 @@ done
 fi
 if [[ $STAGES == *,q4wide,* ]]; then
 python3 tests/gpu/q4_wide_bench.py 1 16 2>&1 | tee "$OUT/q4-wide.txt"
+fi
+if [[ $STAGES == *,s5ab,* ]]; then
+M5=/dev/shm/relu-llama-2-7b-q4_0-powerinfer-pred-q8_0.gguf
+[ -f $M5 ] || hs-bench synth --shape relu-llama-2-7b --dtype q4_0 --layout powerinfer --predictor-type q8_0 -o /dev/shm 2>&1 | tail -1
+for t in 16 ${HS_S5_T2:+2}; do
+  for v in ${HS_S5_RUNS:-12 02 11 01 12 02 11 01}; do  # HS_Q4_WIDE, HS_ACT_PLANES
+    printf "t=%s HS_Q4_WIDE=%s HS_ACT_PLANES=%s: " $t ${v:0:1} ${v:1:1} | tee -a "$OUT/s5-ab.txt"
+    HS_Q4_WIDE=${v:0:1} HS_ACT_PLANES=${v:1:1} hs-run -m $M5 --vram-budget 0 -t $t -p "Once upon a time" -n ${HS_S5_N:-48} \
+      2>&1 >/dev/null | grep -i "eval" | tr '\n' ' ' | tee -a "$OUT/s5-ab.txt"; echo | tee -a "$OUT/s5-ab.txt"
+  done
+done
 fi
 if [[ $STAGES == *,sprobe,* ]]; then  # batched hybrid decode step by step (what hs-serve runs with many clients)
 [ -f /dev/shm/relu-llama-2-7b-f16-powerinfer.gguf ] || hs-bench synth --shape relu-llama-2-7b --layout powerinfer -o /dev/shm 2>&1 | tail -1

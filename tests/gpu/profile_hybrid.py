@@ -10,6 +10,8 @@
     (HS_FFN_OVERLAP=0: Falcon's CPU part no longer overlaps the GPU's attention),
   - one-plane / poll-one-plane: graphs / poll with one-plane 8-bit activations for Q4_0/Q5_0/Q8_0 rows
     (HS_ACT_PLANES=1),
+  - poll-narrow / poll-one-narrow: poll (two-plane / one-plane activations) with one token's Q4_0 dots
+    in the 256-bit form instead of four blocks at a time (HS_Q4_WIDE=0),
   - static: graphs with the CPU FFN's threads on fixed shares of the neurons (HS_FFN_CHUNK=0),
   - t-1: graphs with the host nodes on one thread less than HS_THREADS,
   - noyield / sleep: the pool's idle threads spin without yielding / sleep at once,
@@ -25,7 +27,7 @@
     (HS_TRACE_SKIP=0: with the CPU work; default without it, the GPU's part alone; HS_TRACE_OUT=FILE:
     the Chrome trace),
 and torch's profile of two eager steps. HS_PROFILE_MODES=graphs (a comma list of graphs, unfused, eager,
-events, events-nohg, layers, generate, trace, poll, poll-skip, poll-one-plane, serial, one-plane, omp, spin, omp-spin, skip, static, t-1, noyield, sleep) runs only those, in that order
+events, events-nohg, layers, generate, trace, poll, poll-skip, poll-one-plane, poll-narrow, poll-one-narrow, serial, one-plane, omp, spin, omp-spin, skip, static, t-1, noyield, sleep) runs only those, in that order
 (a mode named twice runs twice: graphs,poll,graphs,poll alternates them), and skips torch's profile
 (unless HS_PROFILE_TORCH=1; HS_PROFILE_ROWS rows of it, by device time on a GPU or by HS_PROFILE_SORT,
 e.g. self_cpu_time_total); HS_THREADS sets the
@@ -98,6 +100,8 @@ VARIANTS = (("graphs", "graphs + host nodes", True, True, {}),
             ("one-plane", "the same, one-plane act.", True, True, {"HS_ACT_PLANES": "1"}),
             ("poll-skip", "polled, no CPU work", True, True, {"HS_COLD_SKIP": "1"}),
             ("poll-one-plane", "polled, one-plane act.", True, True, {"HS_ACT_PLANES": "1"}),
+            ("poll-narrow", "polled, 256-bit Q4_0 dots", True, True, {"HS_Q4_WIDE": "0"}),
+            ("poll-one-narrow", "polled, one-plane, 256-bit", True, True, {"HS_ACT_PLANES": "1", "HS_Q4_WIDE": "0"}),
             ("static", "the same, fixed shares", True, True, {"HS_FFN_CHUNK": "0"}),
             ("t-1", "the same, one thread less", True, True, {}),
             ("noyield", "the same, pool never yields", True, True, {}),
@@ -110,7 +114,7 @@ by_key = {v[0]: v for v in VARIANTS}
 default_handover = kernels.HANDOVER  # the runtime's (HS_HANDOVER or its default), for generate / trace below
 for key, label, graphs, nodes, env in (by_key[k] for k in modes if k in by_key):  # in the order asked, repeats too
     saved = {k: os.environ.get(k) for k in ("HS_COLD_POOL", "HS_GRAPH_WAIT", "HS_FUSED_FFN", "HS_COLD_SKIP",
-                                      "HS_FFN_CHUNK", "HS_ACT_PLANES")}
+                                      "HS_FFN_CHUNK", "HS_ACT_PLANES", "HS_Q4_WIDE")}
     kernels.cpu.cold_ffn_set_threads(torch.get_num_threads() - (key == "t-1"))
     kernels.cpu.pool_configure(*{"noyield": (2000, 2000), "sleep": (0, 0)}.get(key, (2000, 50)))
     os.environ.update(env)
