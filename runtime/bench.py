@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -361,7 +362,8 @@ def _hybrid(args) -> int:
                    cache_type=str(cache_dtype(args)).removeprefix("torch."),
                    ctx_size=args.ctx_size, prompt_tokens=args.prompt_tokens, reps=args.reps, cpu_bw=m["cpu_read_bandwidth_gib_s"],
                    gpu_bw=m.get("gpu_read_bandwidth_gib_s", 0.0))
-        with _GpuMemoryPoller() as poll:
+        poll = _GpuMemoryPoller() if cfg["vram_budget"] > 0 else None  # CPU only: no NVML reads beside it
+        with poll or contextlib.nullcontext():
             p = subprocess.run([sys.executable, "-m", "hybridsparse.runtime.bench", "hybrid-one", json.dumps(cfg)],
                                capture_output=True, text=True, timeout=args.timeout)
         line = next((l for l in p.stdout.splitlines()[::-1] if l.startswith("{")), None)
@@ -370,7 +372,7 @@ def _hybrid(args) -> int:
             run = {**cfg, "error": err}
         else:
             run = {**cfg, **json.loads(line)}
-        if poll.ok and cfg["vram_budget"] > 0:
+        if poll and poll.ok:
             run["peak_device_bytes"] = poll.peak - poll.base
             run["within_budget"] = run["peak_device_bytes"] <= cfg["vram_budget"] * 2**30
         result["runs"].append(run)

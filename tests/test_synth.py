@@ -174,6 +174,23 @@ def test_run_benchmark_takes_the_kv_cache_type(tmp_path):
         assert json.loads(out.read_text())["kv_cache_cpu"] == expect
 
 
+def test_hybrid_benchmark_cpu_only_runs_both_engines_side_by_side(tmp_path):
+    """`hs-bench hybrid` with no VRAM budget (all a machine without a GPU runs): the CPU-only sparse and
+    dense runs, each in its own process, the ratio between them, the roofline, a plot, and no
+    device-memory figures (nothing is on a GPU, so nothing polls the driver beside them)."""
+    import json
+    model = write_synth(tmp_path, "tiny", "q4_0", "powerinfer", predictor_width=64)
+    out = tmp_path / "h.json"
+    assert bench.main(["hybrid", "-m", str(model), "-t", "1", "--budgets", "", "--prompt-tokens", "4", "-n", "4",
+                       "-c", "16", "--json", str(out)]) == 0
+    runs = json.loads(out.read_text())["runs"]
+    assert [(r["engine"], r["vram_budget"]) for r in runs] == [("hybrid", 0.0), ("layer split", 0.0)]
+    assert all(r["decode_tok_s"] > 0 and 0 < r["fraction_of_bound"] and "error" not in r for r in runs)
+    assert not any("peak_device_bytes" in r for r in runs)
+    assert runs[0]["speedup_vs_layer_split"] == pytest.approx(runs[0]["decode_tok_s"] / runs[1]["decode_tok_s"])
+    assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_kernel_benchmark_takes_types_and_shapes_in_any_case(tmp_path):
     out = tmp_path / "k.json"
     assert bench.main(["kernels", "-t", "1", "--shapes", "LLAMA-2-7B", "--types", "q8_0,f16", "--densities", "0.01",

@@ -28,6 +28,9 @@
 #   q4wide: one token's Q4_0 dots on the Xeon four blocks at a time vs the 256-bit form (HS_Q4_WIDE), 1 and 16 threads
 #   s5ab: S5's model CPU-only sparse (hs-run --vram-budget 0) with HS_Q4_WIDE=1/0 and HS_ACT_PLANES=2/1, alternating,
 #   at 16 threads and HS_S5_T2=1 also at 2
+#   pollab: S5's CPU-only sparse decode (16 threads, HS_POLL_T) through hs-run and through hs-bench's child process
+#   alone and beside another process reading NVML every HS_POLL_PERIODS seconds (the parent's peak-memory poll),
+#   HS_POLL_ROUNDS times
 set -uo pipefail
 OUT=${OUT:-gpu-results}
 mkdir -p "$OUT"
@@ -218,13 +221,33 @@ if [[ $STAGES == *,q4wide,* ]]; then
 python3 tests/gpu/q4_wide_bench.py 1 16 2>&1 | tee "$OUT/q4-wide.txt"
 fi
 if [[ $STAGES == *,s5ab,* ]]; then
-M5=/dev/shm/relu-llama-2-7b-q4_0-powerinfer-pred-q8_0.gguf
+M5=${HS_M5:-/dev/shm/relu-llama-2-7b-q4_0-powerinfer-pred-q8_0.gguf}
 [ -f $M5 ] || hs-bench synth --shape relu-llama-2-7b --dtype q4_0 --layout powerinfer --predictor-type q8_0 -o /dev/shm 2>&1 | tail -1
 for t in 16 ${HS_S5_T2:+2}; do
   for v in ${HS_S5_RUNS:-12 02 11 01 12 02 11 01}; do  # HS_Q4_WIDE, HS_ACT_PLANES
     printf "t=%s HS_Q4_WIDE=%s HS_ACT_PLANES=%s: " $t ${v:0:1} ${v:1:1} | tee -a "$OUT/s5-ab.txt"
     HS_Q4_WIDE=${v:0:1} HS_ACT_PLANES=${v:1:1} hs-run -m $M5 --vram-budget 0 -t $t -p "Once upon a time" -n ${HS_S5_N:-48} \
       2>&1 >/dev/null | grep -i "eval" | tr '\n' ' ' | tee -a "$OUT/s5-ab.txt"; echo | tee -a "$OUT/s5-ab.txt"
+  done
+done
+fi
+if [[ $STAGES == *,pollab,* ]]; then  # S5's sparse decode at 16 threads: hs-run, and hs-bench's child alone / beside an NVML poll
+M5=${HS_M5:-/dev/shm/relu-llama-2-7b-q4_0-powerinfer-pred-q8_0.gguf}
+[ -f $M5 ] || hs-bench synth --shape relu-llama-2-7b --dtype q4_0 --layout powerinfer --predictor-type q8_0 -o /dev/shm 2>&1 | tail -1
+CFG='{"engine": "hybrid", "vram_budget": 0.0, "model": "'$M5'", "threads": '${HS_POLL_T:-16}', "n_predict": 64, "mode": "predictor",
+  "cache_type": "float16", "ctx_size": 512, "prompt_tokens": 64, "reps": 3, "cpu_bw": 80.0, "gpu_bw": 0.0}'
+for r in $(seq ${HS_POLL_ROUNDS:-2}); do
+  printf "hs-run: " | tee -a "$OUT/poll-ab.txt"
+  hs-run -m $M5 --vram-budget 0 -t ${HS_POLL_T:-16} -p "Once upon a time" -n 64 2>&1 >/dev/null | grep "  eval time" | tee -a "$OUT/poll-ab.txt"
+  for per in ${HS_POLL_PERIODS:-0 0.005 0.05}; do  # seconds between NVML reads in another process (0: none)
+    if [ $per != 0 ]; then python3 -c "import sys, time
+from hybridsparse.runtime.nvml import device_used_bytes as used
+while True: used(0); time.sleep($per)" & PP=$!; fi
+    printf "hybrid-one, NVML poll every %s s: " $per | tee -a "$OUT/poll-ab.txt"
+    python3 -m hybridsparse.runtime.bench hybrid-one "$CFG" 2>/dev/null | tail -1 | python3 -c "import json, sys
+d = json.loads(sys.stdin.read()); print(round(d['decode_tok_s'], 2), [round(x['decode_tok_s'], 2) for x in d['reps']])" \
+      | tee -a "$OUT/poll-ab.txt"
+    [ $per != 0 ] && kill $PP
   done
 done
 fi
