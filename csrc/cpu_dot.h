@@ -797,7 +797,18 @@ HS_AVX512_VBMI static inline void arrange_q4g_avx512(const ActQ8* a, int64_t nb,
   }
 }
 
-template <int R, bool ONE_PLANE = false>
+// PREFETCH (a dense GEMV's rows one at a time, see q4_prefetch): each step also asks for the bytes Q4_WIDE_AHEAD
+// ahead of it (HS_Q4_AHEAD, read once; default 256, 3.5 steps). A dense GEMV's rows follow each other
+// in memory, yet from memory this loop read half what it does in cache (Zen 4 dev VM, one thread,
+// 4096-wide rows: 10 GiB/s against 20); 128 / 256 / 512 / 1024 bytes ahead: 16-17 / 16-17 / 15-16 /
+// 15. The distance is a variable on purpose: a compile-time 256 reached only 12 GiB/s with this GCC.
+// Rows side by side (listed rows, the fused FFN) gained nothing, so they do not prefetch.
+inline const int64_t Q4_WIDE_AHEAD = [] {
+  const char* v = std::getenv("HS_Q4_AHEAD");
+  const long long n = v ? std::atoll(v) : 0;
+  return n > 0 ? static_cast<int64_t>(n) : int64_t{256};
+}();
+template <int R, bool ONE_PLANE = false, bool PREFETCH = false>
 HS_AVX512_VBMI static inline void dot_q4_0_rows_wide(const void* const* rows, const ActQ4G* g, const ActQ8* a,
                                                      int64_t nb, float* out) {
   static_assert(PLANE_SHIFT == 128, "the planes combine with a shift by 7");
@@ -823,6 +834,7 @@ HS_AVX512_VBMI static inline void dot_q4_0_rows_wide(const void* const* rows, co
     }
     for (int r = 0; r < R; ++r) {
       const uint8_t* p = w[r] + G * 4 * sizeof(BlockQ4_0);
+      if constexpr (PREFETCH) _mm_prefetch(reinterpret_cast<const char*>(p + Q4_WIDE_AHEAD), _MM_HINT_T0);
       const __m512i A = _mm512_loadu_si512(p);
       const __m512i B = _mm512_zextsi128_si512(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 64)));
       const __m512i q = _mm512_permutex2var_epi8(A, iq, B);
@@ -985,6 +997,17 @@ inline bool q4_wide() {
 #else
   return false;
 #endif
+}
+
+// Whether a dense GEMV's wide Q4_0 dots prefetch ahead (dot_q4_0_rows_wide's PREFETCH) with `threads`
+// threads: HS_Q4_PREFETCH=1 always, =0 never (read per call, for side-by-side runs); unset, up to 4
+// threads, the counts measured (1 and 2 on the Zen 4 dev VM: 1.2-1.6x). Above that it waits for a
+// measurement at 16 (tests/gpu/q4_wide_bench.py): there the memory, not the core, is the limit, and
+// an older software prefetch of whole rows cost 17% on the GPU machine's Xeon (HS_PREFETCH=2).
+inline bool q4_prefetch(int threads) {
+  const char* v = std::getenv("HS_Q4_PREFETCH");
+  if (v && (v[0] == '0' || v[0] == '1') && v[1] == 0) return v[0] == '1';
+  return threads <= 4;
 }
 
 }  // namespace hs

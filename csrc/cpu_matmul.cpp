@@ -257,8 +257,15 @@ template <int R>
 HS_AVX512_VBMI void dot_q4_0_rows_wide1(const void* const* r, const ActQ4G* g, const ActQ8* a, int64_t nb, float* o) {
   dot_q4_0_rows_wide<R, true>(r, g, a, nb, o);
 }
-DotRowsQ4G pick_dot_rows_q4g(int n_rows) {
-  return act_planes() == 1 ? HS_PICK_ROWS(dot_q4_0_rows_wide1) : HS_PICK_ROWS(dot_q4_0_rows_wide2);
+// rows one at a time prefetching ahead (a dense GEMV's, see q4_prefetch and dot_q4_0_rows_wide)
+template <bool ONE_PLANE>
+HS_AVX512_VBMI void dot_q4_0_row_wide_ahead(const void* const* r, const ActQ4G* g, const ActQ8* a, int64_t nb, float* o) {
+  dot_q4_0_rows_wide<1, ONE_PLANE, true>(r, g, a, nb, o);
+}
+DotRowsQ4G pick_dot_rows_q4g(int n_rows, bool ahead = false) {
+  const bool one = act_planes() == 1;
+  if (n_rows == 1 && ahead) return one ? dot_q4_0_row_wide_ahead<true> : dot_q4_0_row_wide_ahead<false>;
+  return one ? HS_PICK_ROWS(dot_q4_0_rows_wide1) : HS_PICK_ROWS(dot_q4_0_rows_wide2);
 }
 
 // The arranged activations of one token for the wide Q4_0 dots, or empty where they are off (not one
@@ -354,6 +361,9 @@ std::vector<at::Tensor> qmatmul_rows_cpu(const std::vector<at::Tensor>& ws, cons
 #endif
   const int64_t grain = std::max<int64_t>(16, total / (at::get_num_threads() * 4));
   const int pf = prefetch_mode();
+#ifdef HS_X86
+  const bool q4_ahead = q4_prefetch(at::get_num_threads());  // the wide Q4_0 rows one at a time
+#endif
   at::parallel_for(0, total, grain, [&](int64_t begin, int64_t end) {
     size_t i = 0;
     while (first_row[i + 1] <= begin) ++i;
@@ -392,7 +402,7 @@ std::vector<at::Tensor> qmatmul_rows_cpu(const std::vector<at::Tensor>& ws, cons
         }
       }
       if (wide) {  // the rest one at a time (every row, when they are not listed sparsely)
-        const DotRowsQ4G one = pick_dot_rows_q4g(1);
+        const DotRowsQ4G one = pick_dot_rows_q4g(1, q4_ahead);
         for (; k < k_end; ++k) {
           const void* r = wp + (idx ? static_cast<int64_t>(idx[k]) : k) * row_bytes;
           one(&r, act4.data(), act32.data(), nb, yp + k);

@@ -321,7 +321,8 @@ def _has_vbmi() -> bool:
 @pytest.mark.parametrize("K", [32 * 8, 32 * 13])  # whole groups of four blocks; three and a 1-block tail
 @pytest.mark.parametrize("rows", ["1", "2", "4"])
 def test_wide_q4_0_dots(planes, K, rows, monkeypatch):
-    """One token of Q4_0 rows four blocks at a time (AVX-512 VBMI; HS_Q4_WIDE=0 the older 256-bit form):
+    """One token of Q4_0 rows four blocks at a time (AVX-512 VBMI; HS_Q4_WIDE=0 the older 256-bit form; rows
+    one at a time with and without prefetching ahead, HS_Q4_PREFETCH):
     the sparse row-dot side by side and one row at a time, the dense GEMV, two weights in one call
     and the fused FFN give the twin's sums (the same int32 sums; floats summed in another order) with
     either form, both planes or one, and a row length that is not a whole number of groups."""
@@ -351,6 +352,12 @@ def test_wide_q4_0_dots(planes, K, rows, monkeypatch):
         results[wide] = got
     if _has_vbmi():  # the switch took effect: the float sums round in another order somewhere
         assert any(not torch.equal(a, b) for a, b in zip(results["1"], results["0"]))
+    # rows one at a time (the dense GEMV, a long listed set) prefetching ahead or not: the same sums, bit for bit
+    monkeypatch.setenv("HS_Q4_WIDE", "1")
+    for pf in ("1", "0"):
+        monkeypatch.setenv("HS_Q4_PREFETCH", pf)
+        assert torch.equal(kernels.sparse_rowdot(w, Q.Q4_0, x, many), results["1"][1]), f"HS_Q4_PREFETCH={pf}"
+        assert torch.equal(kernels.matmul(x, w, Q.Q4_0), results["1"][2]), f"HS_Q4_PREFETCH={pf}"
 
 
 def test_bad_mask():

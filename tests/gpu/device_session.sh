@@ -25,7 +25,8 @@
 #   attention kernel and not (HS_CUDA_ATT_FUSE), alternating (HS_FUSE_RUNS), then where its decode step's time goes
 #   kq4: the Q4_0 row-dot against x in two 8-bit planes and in one (HS_ACT_PLANES=2/1), alternating, after its tests
 #   kq8: the Q8_0 row-dot as it is and staged against x in two planes (HS_CUDA_STAGED_Q8=1), side by side
-#   q4wide: one token's Q4_0 dots on the Xeon four blocks at a time vs the 256-bit form (HS_Q4_WIDE), 1 and 16 threads
+#   q4wide: one token's Q4_0 dots on the Xeon four blocks at a time vs the 256-bit form (HS_Q4_WIDE), 1 and 16 threads,
+#   then their dense GEMV from memory prefetching ahead or not (HS_Q4_PREFETCH)
 #   s5ab: S5's model CPU-only sparse (hs-run --vram-budget 0) with HS_Q4_WIDE=1/0 and HS_ACT_PLANES=2/1, alternating,
 #   at 16 threads and HS_S5_T2=1 also at 2
 #   pollab: S5's CPU-only sparse decode (16 threads, HS_POLL_T) through hs-run and through hs-bench's child process

@@ -3,7 +3,8 @@ VBMI) against the older 256-bit form (HS_Q4_WIDE=0), side by side in one process
   - 1024 x 4096 rows in cache, one thread: a third of the rows listed (one at a time and four side by
     side) and every row (the dense GEMV), GiB/s;
   - the fused FFN from memory, alternating the two forms call by call over fresh index sets, for S5's
-    7B rows at 33% and S2's 70B rows at 10%, at each thread count asked.
+    7B rows at 33% and S2's 70B rows at 10%, at each thread count asked;
+  - the wide form's dense GEMV from memory with and without prefetching ahead (HS_Q4_PREFETCH), alternating.
   python tests/gpu/q4_wide_bench.py [THREADS ...]   (default: 1 2; the GPU machine's Xeon: 1 16)"""
 
 import os
@@ -68,3 +69,23 @@ for d, n, dens in ((4096, 11008, 0.33), (8192, 28672, 0.1)):
         print(f"{d}x{n} density {dens} t={th}: fused FFN {gib / a:5.1f} -> {gib / b:5.1f} GiB/s ({a / b:.2f}x)", flush=True)
     del up, gate, down
 os.environ.pop("HS_Q4_WIDE", None)
+
+# the dense GEMV from memory (16 weights of 4096 x 4096, 144 MiB, one after another), the wide rows one
+# at a time prefetching ahead (HS_Q4_PREFETCH=1, the default) or not, alternating call by call
+ws = [random_rows(Q.Q4_0, 4096, 4096, seed=10 + i).contiguous() for i in range(16)]
+x = torch.randn(1, 4096)
+gib = sum(w.numel() for w in ws) / 2**30
+for th in threads:
+    torch.set_num_threads(th)
+    res = {"0": [], "1": []}
+    for rep in range(16):
+        for pf in ("0", "1") if rep % 2 else ("1", "0"):
+            os.environ["HS_Q4_PREFETCH"] = pf
+            t0 = time.perf_counter()
+            for w in ws:
+                kernels.cpu.qmatmul(w, int(Q.Q4_0), x)
+            res[pf].append(time.perf_counter() - t0)
+    a, b = statistics.median(res["0"]), statistics.median(res["1"])
+    print(f"4096x4096 x16 from memory t={th}: dense GEMV {gib / a:5.1f} -> {gib / b:5.1f} GiB/s ({a / b:.2f}x) "
+          "with HS_Q4_PREFETCH", flush=True)
+os.environ.pop("HS_Q4_PREFETCH", None)
