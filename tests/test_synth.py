@@ -240,6 +240,22 @@ def test_machine_records_runtime_switches_not_tool_variables(monkeypatch):
     assert settings["HS_ACT_PLANES"] == "1" and "HS_STAGES" not in settings
 
 
+def test_every_switch_in_the_readme_table_is_recorded_with_results():
+    """The README's table of environment switches and the set a benchmark records with its results
+    (RUNTIME_SWITCHES) name the same switches, except those that change neither what is computed nor
+    its speed (where files are cached, a time-out, a timing printout)."""
+    import re
+    from pathlib import Path
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    table = text[text.index("Environment switches (defaults are what"):].split("\n\n")[1]
+    named = set()
+    for line in table.splitlines():
+        if line.startswith("| `HS_"):
+            named |= set(re.findall(r"HS_[A-Z0-9_]+", re.split(r"(?<!\\)\|", line)[1]))
+    assert named - bench.RUNTIME_SWITCHES == {"HS_CACHE", "HS_HANDOVER_TIMEOUT_S", "HS_HYBRID_TIMING"}
+    assert bench.RUNTIME_SWITCHES <= named
+
+
 @pytest.mark.parametrize("ptype,agree", [("q8_0", 0.99), ("q4_0", 0.93)])  # measured 0.998, 0.962 (47% active)
 def test_quantized_predictors_pick_nearly_the_same_neurons(tmp_path, ptype, agree):
     """--predictor-type: fc1/fc2 stored in a block format (width padded to whole blocks by zero units)
