@@ -70,9 +70,10 @@ for d, n, dens in ((4096, 11008, 0.33), (8192, 28672, 0.1)):
     del up, gate, down
 os.environ.pop("HS_Q4_WIDE", None)
 
-# the dense GEMV from memory (16 weights of 4096 x 4096, 144 MiB, one after another), the wide rows one
-# at a time prefetching ahead (HS_Q4_PREFETCH=1, the default) or not, alternating call by call
-ws = [random_rows(Q.Q4_0, 4096, 4096, seed=10 + i).contiguous() for i in range(16)]
+# the dense GEMV from memory (32 weights of 4096 x 4096, 288 MiB, more than a server's L3, one after
+# another), the wide rows one at a time prefetching ahead (HS_Q4_PREFETCH=1; the default up to 4
+# threads) or not, alternating call by call
+ws = [random_rows(Q.Q4_0, 4096, 4096, seed=10 + i).contiguous() for i in range(32)]
 x = torch.randn(1, 4096)
 gib = sum(w.numel() for w in ws) / 2**30
 for th in threads:
@@ -86,6 +87,6 @@ for th in threads:
                 kernels.cpu.qmatmul(w, int(Q.Q4_0), x)
             res[pf].append(time.perf_counter() - t0)
     a, b = statistics.median(res["0"]), statistics.median(res["1"])
-    print(f"4096x4096 x16 from memory t={th}: dense GEMV {gib / a:5.1f} -> {gib / b:5.1f} GiB/s ({a / b:.2f}x) "
+    print(f"4096x4096 x32 from memory t={th}: dense GEMV {gib / a:5.1f} -> {gib / b:5.1f} GiB/s ({a / b:.2f}x) "
           "with HS_Q4_PREFETCH", flush=True)
 os.environ.pop("HS_Q4_PREFETCH", None)
