@@ -60,6 +60,12 @@ write_gguf(sys.argv[1], cfg, tf.Gemma3ForCausalLM(cfg).state_dict().items(), dty
 PY
 }
 
+# S5's model (7B Q4_0, PowerInfer layout, Q8_0 predictors) for the s5ab and pollab stages
+M5=${HS_M5:-/dev/shm/relu-llama-2-7b-q4_0-powerinfer-pred-q8_0.gguf}
+write_s5_model() {
+[ -f $M5 ] || hs-bench synth --shape relu-llama-2-7b --dtype q4_0 --layout powerinfer --predictor-type q8_0 -o /dev/shm 2>&1 | tail -1
+}
+
 M13=/dev/shm/relu-llama-2-13b-f16-powerinfer.gguf  # synth13's model (planted statistics, exact predictors)
 if [[ $STAGES == *,htests,* ]]; then  # the hybrid runtime's GPU tests and the CPU ops they stand on
   timeout ${HS_TEST_TIMEOUT:-300} python3 -m pytest -q --tb=short -rf ${HS_TEST_ARGS:-tests/gpu/test_hybrid_cuda.py tests/gpu/test_pipeline_cuda.py tests/test_sparse_ops.py} ${HS_TEST_K:+-k "$HS_TEST_K"} 2>&1 \
@@ -222,8 +228,7 @@ if [[ $STAGES == *,q4wide,* ]]; then
 python3 tests/gpu/q4_wide_bench.py 1 16 2>&1 | tee "$OUT/q4-wide.txt"
 fi
 if [[ $STAGES == *,s5ab,* ]]; then
-M5=${HS_M5:-/dev/shm/relu-llama-2-7b-q4_0-powerinfer-pred-q8_0.gguf}
-[ -f $M5 ] || hs-bench synth --shape relu-llama-2-7b --dtype q4_0 --layout powerinfer --predictor-type q8_0 -o /dev/shm 2>&1 | tail -1
+write_s5_model
 for t in 16 ${HS_S5_T2:+2}; do
   for v in ${HS_S5_RUNS:-12 02 11 01 12 02 11 01}; do  # HS_Q4_WIDE, HS_ACT_PLANES
     printf "t=%s HS_Q4_WIDE=%s HS_ACT_PLANES=%s: " $t ${v:0:1} ${v:1:1} | tee -a "$OUT/s5-ab.txt"
@@ -233,8 +238,7 @@ for t in 16 ${HS_S5_T2:+2}; do
 done
 fi
 if [[ $STAGES == *,pollab,* ]]; then  # S5's sparse decode at 16 threads: hs-run, and hs-bench's child alone / beside an NVML poll
-M5=${HS_M5:-/dev/shm/relu-llama-2-7b-q4_0-powerinfer-pred-q8_0.gguf}
-[ -f $M5 ] || hs-bench synth --shape relu-llama-2-7b --dtype q4_0 --layout powerinfer --predictor-type q8_0 -o /dev/shm 2>&1 | tail -1
+write_s5_model
 CFG='{"engine": "hybrid", "vram_budget": 0.0, "model": "'$M5'", "threads": '${HS_POLL_T:-16}', "n_predict": 64, "mode": "predictor",
   "cache_type": "float16", "ctx_size": 512, "prompt_tokens": 64, "reps": 3, "cpu_bw": 80.0, "gpu_bw": 0.0}'
 for r in $(seq ${HS_POLL_ROUNDS:-2}); do
