@@ -256,6 +256,19 @@ d = json.loads(sys.stdin.read()); print(round(d['decode_tok_s'], 2), [round(x['d
   done
 done
 fi
+if [[ $STAGES == *,s3prof,* ]]; then  # S3's step (13B F16 at 8 GiB, 15 attentions on the CPU): time per layer kind and part
+M3=/dev/shm/relu-llama-2-13b-f16-powerinfer-pred-q8_0.gguf  # the scenario's model (hs-bench scenario S3 --predictor-type q8_0)
+[ -f $M3 ] || hs-bench synth --shape relu-llama-2-13b --dtype f16 --layout powerinfer --predictor-type q8_0 -o /dev/shm 2>&1 | tail -1
+HS_HYBRID_TIMING=1 HS_PROFILE_MODES=${HS_S3_MODES:-events,layers} \
+  timeout ${HS_PROF_TIMEOUT:-300} python3 tests/gpu/profile_hybrid.py $M3 8 predictor 16 2>&1 \
+  | grep -v "^hybrid:\|placing layers" | tee "$OUT/profile_s3.txt" | tail -75
+fi
+if [[ $STAGES == *,s5prof,* ]]; then  # S5's CPU-only sparse step at 16 threads: time per layer and part
+write_s5_model
+HS_HYBRID_TIMING=1 HS_PROFILE_MODES=events,layers \
+  HS_THREADS=${HS_POLL_T:-16} timeout 200 python3 tests/gpu/profile_hybrid.py $M5 0 predictor 32 2>&1 \
+  | grep -v "^hybrid:\|placing layers" | tee "$OUT/profile_s5.txt" | tail -50
+fi
 if [[ $STAGES == *,sprobe,* ]]; then  # batched hybrid decode step by step (what hs-serve runs with many clients)
 [ -f /dev/shm/relu-llama-2-7b-f16-powerinfer.gguf ] || hs-bench synth --shape relu-llama-2-7b --layout powerinfer -o /dev/shm 2>&1 | tail -1
 timeout 240 python3 tests/gpu/serve_probe.py /dev/shm/relu-llama-2-7b-f16-powerinfer.gguf ${HS_PROBE_BUDGET:-16} ${HS_PROBE_N:-1 4 32} 2>&1 \
