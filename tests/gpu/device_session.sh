@@ -269,6 +269,17 @@ HS_HYBRID_TIMING=1 HS_PROFILE_MODES=events,layers \
   HS_THREADS=${HS_POLL_T:-16} timeout 200 python3 tests/gpu/profile_hybrid.py $M5 0 predictor 32 2>&1 \
   | grep -v "^hybrid:\|placing layers" | tee "$OUT/profile_s5.txt" | tail -50
 fi
+if [[ $STAGES == *,streams,* ]]; then  # a dense GEMV's rows as 1/2/4 interleaved streams a thread (HS_GEMV_STREAMS)
+python3 tests/gpu/gemv_streams_bench.py 16 1 2>&1 | tee "$OUT/gemv-streams.txt"
+write_s5_model
+for v in ${HS_STREAM_RUNS:-1 4 1 4 1 4}; do  # S5's model on 16 threads, sparse and dense, alternating
+  for eng in "--vram-budget 0" "-ngl 0"; do
+    printf "HS_GEMV_STREAMS=%s %s: " $v "$eng" | tee -a "$OUT/gemv-streams.txt"
+    HS_GEMV_STREAMS=$v hs-run -m $M5 $eng -t 16 -p "Once upon a time" -n 48 2>&1 >/dev/null | grep "  eval time" \
+      | tee -a "$OUT/gemv-streams.txt"
+  done
+done
+fi
 if [[ $STAGES == *,sprobe,* ]]; then  # batched hybrid decode step by step (what hs-serve runs with many clients)
 [ -f /dev/shm/relu-llama-2-7b-f16-powerinfer.gguf ] || hs-bench synth --shape relu-llama-2-7b --layout powerinfer -o /dev/shm 2>&1 | tail -1
 timeout 240 python3 tests/gpu/serve_probe.py /dev/shm/relu-llama-2-7b-f16-powerinfer.gguf ${HS_PROBE_BUDGET:-16} ${HS_PROBE_N:-1 4 32} 2>&1 \
