@@ -360,6 +360,27 @@ def test_wide_q4_0_dots(planes, K, rows, monkeypatch):
         assert torch.equal(kernels.matmul(x, w, Q.Q4_0), results["1"][2]), f"HS_Q4_PREFETCH={pf}"
 
 
+@pytest.mark.parametrize("qtype", [Q.F16, Q.Q8_0, Q.Q4_0, Q.Q5_0])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_dense_gemv_streams(qtype, threads, monkeypatch):
+    """A dense one-token GEMV with each thread's rows as 2 or 4 interleaved streams (HS_GEMV_STREAMS) gives
+    the sums of one stream bit for bit, and the twin's: row counts below, at and above a whole number of
+    streams per thread, two weights in one call, a row length with a Q4_0 tail of one block."""
+    torch.set_num_threads(threads)
+    K = 32 * 13
+    x = torch.randn(1, K, generator=torch.Generator().manual_seed(3))
+    for n in (5, 16, 37, 203):
+        w, w2 = (random_rows(qtype, n, K, seed=s) for s in (4, 5))
+        got = {}
+        for streams in ("1", "2", "4", "3"):  # 3: not a choice, one stream
+            monkeypatch.setenv("HS_GEMV_STREAMS", streams)
+            got[streams] = [kernels.matmul(x, w, qtype), *kernels.cpu.qmatmul_multi([w, w2], [int(qtype)] * 2, x)]
+        for streams, g in got.items():
+            assert all(torch.equal(a, b) for a, b in zip(g, got["1"])), f"HS_GEMV_STREAMS={streams}, {n} rows"
+        ref = kernels.matmul_reference(x, w, qtype)
+        torch.testing.assert_close(got["4"][0], ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
+
+
 def test_bad_mask():
     w = random_rows(Q.Q8_0, N_ROWS, 64)
     with pytest.raises(ValueError, match="bool vector of 67"):
