@@ -142,12 +142,18 @@ def sharp_model(tmp_path_factory):
     return path
 
 
-def test_ngl_split_tokens_equal_cpu_and_gpu(sharp_model):
+@pytest.mark.parametrize("graphs", [True, False])
+def test_ngl_split_tokens_equal_cpu_and_gpu(sharp_model, graphs):
+    """-ngl 2 (the GPU's two layers one CUDA graph a step, the CPU's two op by op, or all op by op), all
+    layers, all layers and the head: the CPU's greedy tokens."""
+    from hybridsparse.runtime.generate import Generator, _RunGraphs
     cpu, lm = _greedy(sharp_model, 0)
     n_layers = lm.model.config.n_layers
     for ngl in (2, n_layers, n_layers + 1):
-        out, lm = _greedy(sharp_model, ngl)
+        out, lm = _greedy(sharp_model, ngl, graphs=graphs)
         assert out == cpu, f"-ngl {ngl}"
+        if ngl == 2:
+            assert isinstance(Generator(lm.model, lm.tokenizer, 64, use_graphs=graphs)._graphs, _RunGraphs) == graphs
     assert lm.model.placement.head.type == "cuda"
 
 
