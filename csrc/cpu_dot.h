@@ -1001,9 +1001,9 @@ inline bool q4_wide() {
 
 // Whether a dense GEMV's wide Q4_0 dots prefetch ahead (dot_q4_0_rows_wide's PREFETCH) with `threads`
 // threads: HS_Q4_PREFETCH=1 always, =0 never (read per call, for side-by-side runs); unset, up to 4
-// threads, the counts measured (1 and 2 on the Zen 4 dev VM: 1.2-1.6x). Above that it waits for a
-// measurement at 16 (tests/gpu/q4_wide_bench.py): there the memory, not the core, is the limit, and
-// an older software prefetch of whole rows cost 17% on the GPU machine's Xeon (HS_PREFETCH=2).
+// threads, the counts measured (1 and 2 on the Zen 4 dev VM: 1.2-1.6x). The GPU machine's Xeon gains
+// nothing from it (tests/gpu/q4_wide_bench.py, from memory: 6.5 -> 6.5 GiB/s one thread, 57.3 -> 59.6
+// with 16), so it stays off above 4 threads, where an older whole-row prefetch cost 17% (HS_PREFETCH=2).
 inline bool q4_prefetch(int threads) {
   const char* v = std::getenv("HS_Q4_PREFETCH");
   if (v && (v[0] == '0' || v[0] == '1') && v[1] == 0) return v[0] == '1';
