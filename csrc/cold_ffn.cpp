@@ -71,9 +71,11 @@ bool skip_compute() {  // HS_COLD_SKIP=1 (diagnostics): y = 0 at once, to time a
   return v && v[0] == '1';
 }
 
+thread_local bool serving_on_omp = false;  // inside cold_ffn_serve(..., use_pool=false)
+
 bool pool_enabled() {  // read per task (tens of ns): benchmarks switch it within one process
   const char* v = std::getenv("HS_COLD_POOL");
-  return !(v && v[0] == '0');
+  return !serving_on_omp && !(v && v[0] == '0');
 }
 
 // The polled hand-overs' abort word (pinned int64, set once either side gives up: every later wait on
@@ -257,9 +259,16 @@ void cold_ffn_attach_sync(int64_t handle, const at::Tensor& sync) {
 // Serve one step of polled hand-overs: for each task in order, wait for its flag to move past the last
 // step served, run it, answer with the same number. Returns the tasks run; stops at the first whose
 // flag does not come within timeout_s (the error is kept for cold_ffn_error) or whose GPU side gave
-// up waiting on an earlier step.
-int64_t cold_ffn_serve(const std::vector<int64_t>& handles, double timeout_s) {
+// up waiting on an earlier step. use_pool=false: the tasks' threads are this thread's OpenMP team, not
+// the spinning pool (a step whose CPU layers run on that team between the GPU's runs: two sets of 16
+// threads then fought over 16 cores).
+int64_t cold_ffn_serve(const std::vector<int64_t>& handles, double timeout_s, bool use_pool) {
   const auto limit = std::chrono::nanoseconds(static_cast<int64_t>(timeout_s * 1e9));
+  struct OnOmp {
+    bool before = serving_on_omp;
+    explicit OnOmp(bool omp) { serving_on_omp = omp; }
+    ~OnOmp() { serving_on_omp = before; }
+  } on_omp(!use_pool);
   int64_t n = 0;
   int64_t* abort = abort_word.load();
   const auto give_up = [&](ColdFFN* c, const char* why) {

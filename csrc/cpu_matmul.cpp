@@ -201,14 +201,16 @@ int ffn_rows() {
   return n == 2 || n == 4 ? n : 1;
 }
 
-// Streams per thread of a dense one-token GEMV (HS_GEMV_STREAMS: 1, 2 or 4; read per call): a
-// thread's rows as that many interleaved runs, one row of each computed side by side, so that each core
-// has several sequential streams in flight for the hardware prefetcher instead of one. For CPUs whose
-// cores each draw far less than the memory gives (the GPU machine's Xeon: 12 GiB/s one thread, 85 all
-// 16), where one stream a core leaves the memory idle.
+// Streams per thread of a dense one-token GEMV (HS_GEMV_STREAMS: 1, 2 or 4, default 4; read per call):
+// a thread's rows as that many interleaved runs, one row of each computed side by side, so that each
+// core has several sequential streams in flight for the hardware prefetcher instead of one. The GPU
+// machine's Xeon (H200 host, session 24, tests/gpu/gemv_streams_bench.py, from memory, 16 threads):
+// 13B attention F16 93.5 / 109.6 / 113.9 GiB/s with 1 / 2 / 4, 7B attention Q4_0 72.7 / 86.5 / 96.1,
+// Q8_0 predictors 68.2 / 77.3 / 88.4; one thread 9.2 -> 12.7, 7.5 -> 11.2, 6.7 -> 11.6. The Zen 4 dev VM
+// (2 threads): F16 20.2 -> 27.1, Q4_0 and Q8_0 within noise.
 int gemv_streams() {
   const char* v = std::getenv("HS_GEMV_STREAMS");
-  const int n = v ? std::atoi(v) : 1;
+  const int n = v ? std::atoi(v) : 4;
   return n == 2 || n == 4 ? n : 1;
 }
 

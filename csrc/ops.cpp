@@ -45,7 +45,7 @@ void cold_ffn_enqueue(int64_t handle);
 void cold_ffn_enqueue_polled(int64_t handle, const at::Tensor& x, const c10::optional<at::Tensor>& mask,
                              const at::Tensor& y, const at::Tensor& counter, double timeout_s);
 void cold_ffn_attach_sync(int64_t handle, const at::Tensor& sync);
-int64_t cold_ffn_serve(const std::vector<int64_t>& handles, double timeout_s);
+int64_t cold_ffn_serve(const std::vector<int64_t>& handles, double timeout_s, bool use_pool);
 void cold_ffn_free(int64_t handle);
 std::string cold_ffn_error();
 std::vector<int64_t> cold_ffn_stats();
@@ -120,7 +120,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the task's polled hand-over on the current CUDA stream (x and mask out, y in; cold_ffn_serve answers)");
   m.def("cold_ffn_attach_sync", &hs::cold_ffn_attach_sync, "the int64 [4] words of the task's polled hand-over");
   m.def("cold_ffn_serve", &hs::cold_ffn_serve, "run one step's polled tasks in order as the GPU hands them over",
-        py::arg("handles"), py::arg("timeout_s"), py::call_guard<py::gil_scoped_release>());
+        py::arg("handles"), py::arg("timeout_s"), py::arg("use_pool") = true, py::call_guard<py::gil_scoped_release>());
   m.def("cold_ffn_free", &hs::cold_ffn_free);
   m.def("cold_ffn_error", &hs::cold_ffn_error, "the first error a task met since the last call, cleared");
   m.def("cold_ffn_set_threads", &hs::cold_ffn_set_threads, "the tasks' thread count from now on (made: -t then)");

@@ -30,6 +30,9 @@ MIN_GRAPH_BUCKET = 256
 # Steps with layers on both devices: the GPU's runs of layers as CUDA graphs (_RunGraphs); HS_RUN_GRAPHS=0:
 # op by op, to compare
 RUN_GRAPHS = os.environ.get("HS_RUN_GRAPHS", "1") != "0"
+# Their polled CPU parts on this thread's OpenMP team, which the CPU layers use too: on the spinning
+# pool (HS_RUN_POOL=1, read per step) the two sets of threads fought over the cores (S3 on an H200 host,
+# 16 threads: the GPU layers' cold FFNs at ~40 GiB/s, a step 107-109 ms against 85-92 op by op)
 
 
 @dataclass(slots=True)
@@ -179,7 +182,7 @@ class _RunGraphs:
                 self.graphs[r, b] = (graph, out, tasks)
             graph, out, tasks = self.graphs[r, b]
             graph.replay()
-            kernels.serve_polled(tasks)
+            kernels.serve_polled(tasks, use_pool=os.environ.get("HS_RUN_POOL") == "1")
             x = out
         return m.finish(x)
 

@@ -774,10 +774,12 @@ def enqueue_polled(task: int, x: torch.Tensor, mask: torch.Tensor | None, y: tor
     _polled_tasks.append(task)
 
 
-def serve_polled(tasks: list[int]) -> None:
-    """Run one replay's polled tasks on this thread as the GPU hands them over; raise what they met."""
+def serve_polled(tasks: list[int], use_pool: bool = True) -> None:
+    """Run one replay's polled tasks on this thread as the GPU hands them over; raise what they met.
+    use_pool=False: on this thread's OpenMP team instead of the spinning pool (steps whose CPU layers
+    use that team)."""
     if tasks:
-        cpu.cold_ffn_serve(tasks, HANDOVER_TIMEOUT_S)
+        cpu.cold_ffn_serve(tasks, HANDOVER_TIMEOUT_S, use_pool)
         raise_host_errors()
 
 

@@ -475,7 +475,7 @@ def test_cold_ffn_serve_polled_handover():
     """The polled hand-over's CPU side (cold_ffn_serve; csrc/cuda_handover.cu is the GPU's): a thread
     standing in for the GPU writes x and the mask, bumps a layer's flag word and waits for its done
     word; serve runs two layers' tasks in order, one step per call, each answer the fused FFN of that
-    step's x. A flag that never comes, and a GPU side that gave up, end the serve with a one-line error
+    step's x, on the spinning pool or on the serving thread's OpenMP team. A flag that never comes, and a GPU side that gave up, end the serve with a one-line error
     instead of a hang."""
     import threading
     import time
@@ -510,12 +510,12 @@ def test_cold_ffn_serve_polled_handover():
             errors.append(e)
 
     try:
-        t = threading.Thread(target=gpu, args=(3,))
+        t = threading.Thread(target=gpu, args=(4,))
         t.start()
-        for _ in range(3):
-            assert kernels.cpu.cold_ffn_serve([L["task"] for L in layers], 10.0) == 2
+        for step in range(4):  # on the spinning pool, then on this thread's OpenMP team (use_pool=False)
+            assert kernels.cpu.cold_ffn_serve([L["task"] for L in layers], 10.0, step % 2 == 0) == 2
         t.join()
-        assert not errors and len(seen) == 6 and kernels.cpu.cold_ffn_error() == ""
+        assert not errors and len(seen) == 8 and kernels.cpu.cold_ffn_error() == ""
         for L, xs, ms, ys in seen:
             up, gate, down_t = L["w"]
             active = L["ids"][ms[0]]
