@@ -27,9 +27,11 @@ from .sampling import Sampler
 from .tokenizer import StreamDecoder, Tokenizer
 
 MIN_GRAPH_BUCKET = 256
-# Steps with layers on both devices: the GPU's runs of layers as CUDA graphs (_RunGraphs); HS_RUN_GRAPHS=0:
-# op by op, to compare
-RUN_GRAPHS = os.environ.get("HS_RUN_GRAPHS", "1") != "0"
+# Steps with layers on both devices: the GPU's runs of layers as CUDA graphs (_RunGraphs). HS_RUN_GRAPHS=auto
+# (default): where those runs hand no work to the CPU (a dense -ngl split); 1: also a hybrid step with
+# attention on the CPU in some layers (its GPU layers then hand over as in a whole-step graph; not yet
+# faster than the event path on the GPU machine, see HS_RUN_POOL); 0: never.
+RUN_GRAPHS = os.environ.get("HS_RUN_GRAPHS", "auto")
 # Their polled CPU parts on this thread's OpenMP team, which the CPU layers use too: on the spinning
 # pool (HS_RUN_POOL=1, read per step) the two sets of threads fought over the cores (S3 on an H200 host,
 # 16 threads: the GPU layers' cold FFNs at ~40 GiB/s, a step 107-109 ms against 85-92 op by op)
@@ -204,7 +206,7 @@ class Generator:
         layers_gpu = len(set(p.layers)) == 1 and p.layers[0].type == "cuda" and self.model.capturable()
         self._graphs = _DecodeGraphs(self.model, self.cache, self.n_ctx, p.layers[0]) \
             if (self.use_graphs and layers_gpu) else None
-        if self._graphs is None and self.use_graphs and RUN_GRAPHS and torch.cuda.is_available() \
+        if self._graphs is None and self.use_graphs and RUN_GRAPHS != "0" and torch.cuda.is_available() \
                 and _RunGraphs.usable(self.model):
             self._graphs = _RunGraphs(self.model, self.cache, self.n_ctx)
 

@@ -944,11 +944,11 @@ def setup_hybrid(model, model_path: Path, opts: HybridOptions, log_line=print) -
     # Host nodes pay off inside a CUDA graph. A step that cannot be one (some attention on the CPU) is
     # faster with the event path: with host nodes the Python thread, launching the next layers, competes
     # for the cores with the nodes' threads (S2 on the H200: 266 ms per token with events, 284 with nodes).
-    # Such a step's runs of GPU layers are graphs of their own (generate._RunGraphs, unless
-    # HS_RUN_GRAPHS=0): their layers hand over as in a whole-step graph, the CPU-attention layers use events.
+    # With HS_RUN_GRAPHS=1 such a step's runs of GPU layers are graphs of their own (generate._RunGraphs):
+    # their layers hand over as in a whole-step graph, the CPU-attention layers use events.
     from .generate import RUN_GRAPHS
     graphed = fast is not None and all(attn_fast)
-    host_nodes = [graphed or (fast is not None and RUN_GRAPHS and a) for a in attn_fast]
+    host_nodes = [graphed or (fast is not None and RUN_GRAPHS == "1" and a) for a in attn_fast]
     placement = Placement(embed_dev, layer_dev, head_dev, sorted({embed_dev, head_dev, *layer_dev}, key=str))
 
     def build(i, ffn, dev):

@@ -144,8 +144,8 @@ def sharp_model(tmp_path_factory):
 
 @pytest.mark.parametrize("graphs", [True, False])
 def test_ngl_split_tokens_equal_cpu_and_gpu(sharp_model, graphs):
-    """-ngl 2 (the GPU's two layers one CUDA graph a step, the CPU's two op by op, or all op by op), all
-    layers, all layers and the head: the CPU's greedy tokens."""
+    """-ngl 2 (by default the GPU's two layers one CUDA graph a step, the CPU's two op by op; or all op by
+    op), all layers, all layers and the head: the CPU's greedy tokens."""
     from hybridsparse.runtime.generate import Generator, _RunGraphs
     cpu, lm = _greedy(sharp_model, 0)
     n_layers = lm.model.config.n_layers

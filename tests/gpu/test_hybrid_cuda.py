@@ -109,14 +109,15 @@ def test_host_node_decode_in_cuda_graphs_equals_dense_on_cuda(name, head_fast, h
 
 
 @pytest.mark.parametrize("name", ["llama-swiglu", "gemma3", "opt", "falcon-40b-relu"])
-@pytest.mark.parametrize("mode,run_graphs,handover", [("dense", True, "poll"), ("dense", True, "node"),
-                                                      ("dense", False, "poll"), ("oracle", True, "poll")])
+@pytest.mark.parametrize("mode,run_graphs,handover", [("dense", "1", "poll"), ("dense", "1", "node"),
+                                                      ("dense", "auto", "poll"), ("dense", "0", "poll"),
+                                                      ("oracle", "1", "poll")])
 def test_mixed_placement_decode_equals_dense_on_cuda(name, mode, run_graphs, handover, tmp_path, monkeypatch):
     """Attention of every other layer on the CPU: each run of GPU layers is a CUDA graph of its own
     (generate._RunGraphs; the GPU layers' cold parts handed over inside it by polling or host nodes), the
     CPU layers run op by op in between, each CPU layer's hot part replayed as its own CUDA graph from the
-    second token on (oracle mode, which cannot be captured, and HS_RUN_GRAPHS=0: no run graphs, the GPU
-    layers' cold parts by the event path); the logits match the all-GPU dense model's."""
+    second token on (oracle mode, which cannot be captured, and HS_RUN_GRAPHS=auto / 0: no run graphs for
+    a hybrid step, the GPU layers' cold parts by the event path); the logits match the all-GPU dense model's."""
     from hybridsparse.runtime import generate, kernels
     monkeypatch.setattr(generate, "RUN_GRAPHS", run_graphs)
     monkeypatch.setattr(kernels, "HANDOVER", handover)
@@ -134,7 +135,7 @@ def test_mixed_placement_decode_equals_dense_on_cuda(name, mode, run_graphs, han
     setup_hybrid(model, path, HybridOptions(mode=mode, device="cuda", hot=hot, attn_fast=attn, head_fast=True),
                  log_line=lambda *_: None)
     logits, graphed = _generator_run(model, ids, feed)
-    runs = mode == "dense" and run_graphs
+    runs = mode == "dense" and run_graphs == "1"
     assert graphed == runs, f"run graphs {graphed}, expected {runs}"
     assert [l.ffn._host_nodes() for l in model.layers] == [runs and a for a in attn]
     assert all(bool(l.ffn._hot_graph) != a for l, a in zip(model.layers, attn)), "a CPU layer's hot part not graphed"
