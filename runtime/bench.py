@@ -59,7 +59,9 @@ def measure_bandwidth_gib_s(device: str) -> float:
     best of five sums over 256 MiB gave 79 to 150 GiB/s on machines of one kind, which made the
     roofline fractions swing with it). On the CPU also the compiled float16 GEMV of one token over a
     1 GiB matrix, the faster of the two: torch's sum read 81 GiB/s on an H100 machine whose dense
-    layer split then streamed its CPU layers at ~99 GiB/s (121% of a roofline drawn from the sum)."""
+    layer split then streamed its CPU layers at ~99 GiB/s (121% of a roofline drawn from the sum).
+    Since session 24 that GEMV reads each thread's rows as 4 streams (HS_GEMV_STREAMS), ~20% faster on
+    the GPU machine's CPU, which raises the CPU bound of every roofline measured after it."""
     n = (2 << 30) // 4 if device == "cuda" else (1 << 30) // 4
     x = torch.ones(n, device=device)
 
