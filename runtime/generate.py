@@ -116,6 +116,17 @@ class _DecodeGraphs:
         return out if self.head_inside else self.model.finish(out)
 
 
+def layer_runs(devices: list[torch.device]) -> list[tuple[int, int, torch.device]]:
+    """The layers as runs of consecutive layers on one device: (first, end, device), in order."""
+    runs: list[tuple[int, int, torch.device]] = []
+    for i, dev in enumerate(devices):
+        if runs and runs[-1][2] == dev:
+            runs[-1] = (runs[-1][0], i + 1, dev)
+        else:
+            runs.append((i, i + 1, dev))
+    return runs
+
+
 class _RunGraphs:
     """Decode steps whose layers alternate between the GPU and the CPU (the plan keeps some layers'
     attention on the CPU, or a dense layer split): each run of consecutive GPU layers is a captured
@@ -126,12 +137,7 @@ class _RunGraphs:
 
     def __init__(self, model: CausalLM, cache, n_ctx: int):
         self.model, self.cache, self.n_ctx = model, cache, n_ctx
-        self.runs: list[tuple[int, int, torch.device]] = []  # [first, end) layers on one device
-        for i, dev in enumerate(model.placement.layers):
-            if self.runs and self.runs[-1][2] == dev:
-                self.runs[-1] = (self.runs[-1][0], i + 1, dev)
-            else:
-                self.runs.append((i, i + 1, dev))
+        self.runs = layer_runs(model.placement.layers)
         d = model.config.d_model
         self.x_in = {r: torch.zeros(1, d, device=dev) for r, (_, _, dev) in enumerate(self.runs) if dev.type == "cuda"}
         self.pos = {dev: torch.zeros(1, dtype=torch.long, device=dev) for _, _, dev in self.runs}

@@ -167,6 +167,29 @@ def test_a_prompt_computes_the_fast_devices_rows_dense(tmp_path, monkeypatch):
         assert (one - ref[:1]).abs().max().item() > 1e-3 * scale  # one token: the predictor's (empty) set
 
 
+@pytest.mark.parametrize("run_graphs", ["auto", "1", "0"])
+def test_layer_runs_and_which_layers_hand_over_in_graphs(run_graphs, tmp_path, monkeypatch):
+    """A step with layers on both devices is cut into runs of consecutive layers on one device (the GPU's
+    runs then replay as CUDA graphs, generate._RunGraphs); with HS_RUN_GRAPHS=1 a hybrid plan's layers whose
+    attention is on the fast device are made to hand over inside such graphs (host nodes or polling), by
+    default (auto) and with 0 they keep the event path; a plan with every attention on the fast device
+    hands over in every layer either way."""
+    from hybridsparse.runtime import generate
+    gpu, cpu = torch.device("cuda"), torch.device("cpu")
+    assert generate.layer_runs([gpu, gpu, cpu, cpu, gpu]) == [(0, 2, gpu), (2, 4, cpu), (4, 5, gpu)]
+    assert generate.layer_runs([cpu]) == [(0, 1, cpu)] and generate.layer_runs([]) == []
+    monkeypatch.setattr(generate, "RUN_GRAPHS", run_graphs)
+    _, dense = build_case("llama-relu", tmp_path)
+    path, c = dense.gguf.path, dense.config
+    for attn in ([bool(i % 2) for i in range(c.n_layers)], [True] * c.n_layers):
+        model = load_model(GGUFFile(path))
+        hot = [np.arange(0, c.n_ff, 3) for _ in range(c.n_layers)]
+        setup_hybrid(model, path, HybridOptions(mode="dense", device="cpu", hot=hot, attn_fast=attn, head_fast=True),
+                     log_line=lambda *_: None)
+        want = [a and (all(attn) or run_graphs == "1") for a in attn]
+        assert [l.ffn.host_nodes for l in model.layers] == want, f"attention {attn}"
+
+
 def test_transposed_down_is_cached_once(tmp_path):
     _, model = build_case("llama-relu", tmp_path)
     path = model.gguf.path
