@@ -131,9 +131,10 @@ class _RunGraphs:
     """Decode steps whose layers alternate between the GPU and the CPU (the plan keeps some layers'
     attention on the CPU, or a dense layer split): each run of consecutive GPU layers is a captured
     CUDA graph per context-length bucket (hybrid layers' cold parts inside, handed over as in
-    _DecodeGraphs), the CPU layers in between run op by op. Without it every GPU layer of such a step
-    cost its launches on this thread (S3 on the H100: 24 GPU layers at ~0.35 ms each beyond their CPU
-    FFN). The embedding and the output head run outside the graphs."""
+    _DecodeGraphs), the CPU layers in between run op by op. Op by op, every GPU layer of such a step
+    costs its launches on this thread (S3 on the H100: 24 GPU layers at ~0.35 ms each beyond their CPU
+    FFN). Used where the GPU's runs hand nothing to the CPU, and for hybrid steps with HS_RUN_GRAPHS=1
+    (RUN_GRAPHS). The embedding and the output head run outside the graphs."""
 
     def __init__(self, model: CausalLM, cache, n_ctx: int):
         self.model, self.cache, self.n_ctx = model, cache, n_ctx
