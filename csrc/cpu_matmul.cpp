@@ -402,33 +402,36 @@ std::vector<at::Tensor> qmatmul_rows_cpu(const std::vector<at::Tensor>& ws, cons
       // next to each other in memory go faster one at a time: the hardware prefetcher follows them)
       const int side = (T == 1 && !pf && idx && 2 * M < N && has_dot_rows(qtype)) ? ffn_rows() : 1;
       const bool wide = qtype == Q4_0 && !act4.empty();  // one token: Q4_0 rows four blocks at a time
+      // the dots of n rows side by side against this token, one kernel picked per use
+      const auto side_dots = [&](int n) {
+        const DotRows dots = is_float ? pick_dot_rows(n) : nullptr;
+        const DotRowsQ8 dots_q = is_float ? nullptr : pick_dot_rows_q8(qtype, n);
+        const DotRowsQ4G dots_w = wide ? pick_dot_rows_q4g(n) : nullptr;
+        return [=, &act4, &act32](const void* const* rws, float* out) {
+          if (dots) dots(rws, xp, K, out);
+          else if (dots_w) dots_w(rws, act4.data(), act32.data(), nb, out);
+          else dots_q(rws, act32.data(), nb, out);
+        };
+      };
       const int streams = (T == 1 && !pf && !idx && has_dot_rows(qtype)) ? gemv_streams() : 1;
       if (streams > 1 && k_end - k >= 4 * streams) {  // a dense GEMV: runs of L rows, one of each side by side
-        const DotRows dots = is_float ? pick_dot_rows(streams) : nullptr;
-        const DotRowsQ8 dots_q = is_float ? nullptr : pick_dot_rows_q8(qtype, streams);
-        const DotRowsQ4G dots_w = wide ? pick_dot_rows_q4g(streams) : nullptr;
+        const auto dots = side_dots(streams);
         const int64_t L = (k_end - k) / streams;
         const void* rws[4];
         float outs[4];
         for (int64_t j = 0; j < L; ++j) {
           for (int s = 0; s < streams; ++s) rws[s] = wp + (k + s * L + j) * row_bytes;
-          if (dots) dots(rws, xp, K, outs);
-          else if (dots_w) dots_w(rws, act4.data(), act32.data(), nb, outs);
-          else dots_q(rws, act32.data(), nb, outs);
+          dots(rws, outs);
           for (int s = 0; s < streams; ++s) yp[k + s * L + j] = outs[s];
         }
         k += streams * L;  // the last (k_end - k) % streams rows: one at a time below
       }
       if (side > 1) {
-        const DotRows dots = is_float ? pick_dot_rows(side) : nullptr;
-        const DotRowsQ8 dots_q = is_float ? nullptr : pick_dot_rows_q8(qtype, side);
-        const DotRowsQ4G dots_w = wide ? pick_dot_rows_q4g(side) : nullptr;
+        const auto dots = side_dots(side);
         const void* rws[8];
         for (; k + side <= k_end; k += side) {
           for (int j = 0; j < side; ++j) rws[j] = wp + static_cast<int64_t>(idx[k + j]) * row_bytes;
-          if (dots) dots(rws, xp, K, yp + k);
-          else if (dots_w) dots_w(rws, act4.data(), act32.data(), nb, yp + k);
-          else dots_q(rws, act32.data(), nb, yp + k);
+          dots(rws, yp + k);
         }
       }
       if (wide) {  // the rest one at a time (every row, when they are not listed sparsely)
