@@ -24,13 +24,15 @@ print(f"cpu path {kernels.cpu.cpu_path()}", flush=True)
 
 
 def weights(qtype, shapes, copies):
+    """(weight, x) pairs: the weights in their stored form and a token for each, made once."""
     out = []
     for c in range(copies):
         for i, (n, k) in enumerate(shapes):
             if qtype == Q.F16:
-                out.append(torch.randn(n, k, generator=torch.Generator().manual_seed(10 * c + i)).half())
+                w = torch.randn(n, k, generator=torch.Generator().manual_seed(10 * c + i)).half()
             else:
-                out.append(random_rows(qtype, n, k, seed=10 * c + i).contiguous())
+                w = random_rows(qtype, n, k, seed=10 * c + i).contiguous()
+            out.append((w, torch.ones(1, k)))
     return out
 
 
@@ -41,8 +43,7 @@ CASES = (  # name, type, (rows, features) of one layer's weights, copies (togeth
 )
 for name, qtype, shapes, copies in CASES:
     ws = weights(qtype, shapes, copies)
-    xs = {w.shape[1] * (2 if qtype == Q.F16 else 1): None for w in ws}
-    gib = sum(w.numel() * w.element_size() for w in ws) / 2**30
+    gib = sum(w.numel() * w.element_size() for w, _ in ws) / 2**30
     for th in threads:
         torch.set_num_threads(th)
         res = {m: [] for m in modes}
@@ -50,9 +51,8 @@ for name, qtype, shapes, copies in CASES:
             for m in (modes if rep % 2 == 0 else modes[::-1]):
                 os.environ["HS_GEMV_STREAMS"] = m
                 t0 = time.perf_counter()
-                for w in ws:
-                    k = w.shape[1] if qtype == Q.F16 else (w.shape[1] // (34 if qtype == Q.Q8_0 else 18)) * 32
-                    kernels.cpu.qmatmul(w, int(qtype), torch.ones(1, k))
+                for w, x in ws:
+                    kernels.cpu.qmatmul(w, int(qtype), x)
                 res[m].append(time.perf_counter() - t0)
         line = "  ".join(f"{m}: {gib / statistics.median(res[m]):6.1f}" for m in modes)
         print(f"{name:24s} t={th:2d} ({gib:.2f} GiB a pass): GiB/s by HS_GEMV_STREAMS  {line}", flush=True)
