@@ -56,6 +56,20 @@ class Timings:
                           self.line("       eval time", self.gen_tokens, self.gen_s)])
 
 
+def _capture(fn, pool) -> tuple:
+    """fn() captured as a CUDA graph in `pool` after one warm-up run outside it (allocator, cuBLAS
+    handles): (graph, its output, the polled hand-over tasks that each replay must serve)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with kernels.polled_handover() as tasks, torch.cuda.graph(graph, pool=pool):
+        out = fn()
+    return graph, out, tasks
+
+
 def _bucket(kv_len: int, n_ctx: int) -> int:
     """The context length a captured step is made for: a power of two from MIN_GRAPH_BUCKET, at most n_ctx."""
     b = MIN_GRAPH_BUCKET
@@ -98,15 +112,7 @@ class _DecodeGraphs:
             self.x.copy_(self.model.embed(torch.tensor([token], device=p.embed), torch.tensor([pos], device=p.embed)))
         b = self.bucket(pos + 1)
         if b not in self.graphs:
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):  # warm up outside the graph (allocator, cuBLAS handles)
-                self._step(b)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with kernels.polled_handover() as tasks, torch.cuda.graph(graph, pool=self.pool):
-                out = self._step(b)
-            self.graphs[b] = (graph, out, tasks)
+            self.graphs[b] = _capture(lambda: self._step(b), self.pool)
         graph, out, tasks = self.graphs[b]
         graph.replay()
         kernels.serve_polled(tasks)  # the hybrid layers' CPU parts, on this thread, as the GPU reaches them
@@ -176,19 +182,11 @@ class _RunGraphs:
                     self.done.synchronize()
                     x = x.to(dev)
                     kernels.pool_rest()
-                x = self._layers(r, x.to(dev), pos + 1)
+                x = self._layers(r, x, pos + 1)
                 continue
             self.x_in[r].copy_(x)
             if (r, b) not in self.graphs:
-                stream = torch.cuda.Stream()
-                stream.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(stream):  # warm up outside the graph (allocator, cuBLAS handles)
-                    self._layers(r, self.x_in[r], b)
-                torch.cuda.current_stream().wait_stream(stream)
-                graph = torch.cuda.CUDAGraph()
-                with kernels.polled_handover() as tasks, torch.cuda.graph(graph, pool=self.pool):
-                    out = self._layers(r, self.x_in[r], b)
-                self.graphs[r, b] = (graph, out, tasks)
+                self.graphs[r, b] = _capture(lambda: self._layers(r, self.x_in[r], b), self.pool)
             graph, out, tasks = self.graphs[r, b]
             graph.replay()
             kernels.serve_polled(tasks, use_pool=os.environ.get("HS_RUN_POOL") == "1")
