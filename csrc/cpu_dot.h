@@ -797,7 +797,7 @@ HS_AVX512_VBMI static inline void arrange_q4g_avx512(const ActQ8* a, int64_t nb,
   }
 }
 
-// PREFETCH (a dense GEMV's rows one at a time, see q4_prefetch): each step also asks for the bytes Q4_WIDE_AHEAD
+// PREFETCH (rows one at a time: a dense GEMV's with HS_GEMV_STREAMS=1, see q4_prefetch): each step also asks for the bytes Q4_WIDE_AHEAD
 // ahead of it (HS_Q4_AHEAD, read once; default 256, 3.5 steps). A dense GEMV's rows follow each other
 // in memory, yet from memory this loop read half what it does in cache (Zen 4 dev VM, one thread,
 // 4096-wide rows: 10 GiB/s against 20); 128 / 256 / 512 / 1024 bytes ahead: 16-17 / 16-17 / 15-16 /
@@ -999,7 +999,8 @@ inline bool q4_wide() {
 #endif
 }
 
-// Whether a dense GEMV's wide Q4_0 dots prefetch ahead (dot_q4_0_rows_wide's PREFETCH) with `threads`
+// Whether wide Q4_0 rows one at a time prefetch ahead (dot_q4_0_rows_wide's PREFETCH; a dense GEMV's
+// rows go so only with HS_GEMV_STREAMS=1, else in streams side by side, which do not) with `threads`
 // threads: HS_Q4_PREFETCH=1 always, =0 never (read per call, for side-by-side runs); unset, up to 4
 // threads, the counts measured (1 and 2 on the Zen 4 dev VM: 1.2-1.6x). The GPU machine's Xeon gains
 // nothing from it (tests/gpu/q4_wide_bench.py, from memory: 6.5 -> 6.5 GiB/s one thread, 57.3 -> 59.6

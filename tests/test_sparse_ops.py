@@ -352,8 +352,10 @@ def test_wide_q4_0_dots(planes, K, rows, monkeypatch):
         results[wide] = got
     if _has_vbmi():  # the switch took effect: the float sums round in another order somewhere
         assert any(not torch.equal(a, b) for a, b in zip(results["1"], results["0"]))
-    # rows one at a time (the dense GEMV, a long listed set) prefetching ahead or not: the same sums, bit for bit
+    # rows one at a time (the dense GEMV in one stream a thread, a long listed set) prefetching ahead or not:
+    # the same sums, bit for bit
     monkeypatch.setenv("HS_Q4_WIDE", "1")
+    monkeypatch.setenv("HS_GEMV_STREAMS", "1")
     for pf in ("1", "0"):
         monkeypatch.setenv("HS_Q4_PREFETCH", pf)
         assert torch.equal(kernels.sparse_rowdot(w, Q.Q4_0, x, many), results["1"][1]), f"HS_Q4_PREFETCH={pf}"
@@ -475,8 +477,8 @@ def test_cold_ffn_serve_polled_handover():
     """The polled hand-over's CPU side (cold_ffn_serve; csrc/cuda_handover.cu is the GPU's): a thread
     standing in for the GPU writes x and the mask, bumps a layer's flag word and waits for its done
     word; serve runs two layers' tasks in order, one step per call, each answer the fused FFN of that
-    step's x, on the spinning pool or on the serving thread's OpenMP team. A flag that never comes, and a GPU side that gave up, end the serve with a one-line error
-    instead of a hang."""
+    step's x, on the spinning pool or on the serving thread's OpenMP team. A flag that never comes, and a
+    GPU side that gave up, end the serve with a one-line error instead of a hang."""
     import threading
     import time
     d, n_ff, qtype = 64, N_ROWS, Q.F16

@@ -4,7 +4,8 @@ VBMI) against the older 256-bit form (HS_Q4_WIDE=0), side by side in one process
     side) and every row (the dense GEMV), GiB/s;
   - the fused FFN from memory, alternating the two forms call by call over fresh index sets, for S5's
     7B rows at 33% and S2's 70B rows at 10%, at each thread count asked;
-  - the wide form's dense GEMV from memory with and without prefetching ahead (HS_Q4_PREFETCH), alternating.
+  - the wide form's dense GEMV from memory, rows one at a time (HS_GEMV_STREAMS=1), with and without
+    prefetching ahead (HS_Q4_PREFETCH), alternating.
   python tests/gpu/q4_wide_bench.py [THREADS ...]   (default: 1 2; the GPU machine's Xeon: 1 16)"""
 
 import os
@@ -72,7 +73,9 @@ os.environ.pop("HS_Q4_WIDE", None)
 
 # the dense GEMV from memory (32 weights of 4096 x 4096, 288 MiB, more than a server's L3, one after
 # another), the wide rows one at a time prefetching ahead (HS_Q4_PREFETCH=1; the default up to 4
-# threads) or not, alternating call by call
+# threads) or not, alternating call by call; rows one at a time (HS_GEMV_STREAMS=1: in streams side by side,
+# the default, they do not prefetch)
+os.environ["HS_GEMV_STREAMS"] = "1"
 ws = [random_rows(Q.Q4_0, 4096, 4096, seed=10 + i).contiguous() for i in range(32)]
 x = torch.randn(1, 4096)
 gib = sum(w.numel() for w in ws) / 2**30
@@ -90,3 +93,4 @@ for th in threads:
     print(f"4096x4096 x32 from memory t={th}: dense GEMV {gib / a:5.1f} -> {gib / b:5.1f} GiB/s ({a / b:.2f}x) "
           "with HS_Q4_PREFETCH", flush=True)
 os.environ.pop("HS_Q4_PREFETCH", None)
+os.environ.pop("HS_GEMV_STREAMS", None)
