@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "check.h"
+#include "env.h"
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
 #endif
@@ -67,15 +68,13 @@ struct ColdFFN {
 std::atomic<int> task_threads{1};
 
 bool skip_compute() {  // HS_COLD_SKIP=1 (diagnostics): y = 0 at once, to time a step without CPU work
-  const char* v = std::getenv("HS_COLD_SKIP");
-  return v && v[0] == '1';
+  return env_on("HS_COLD_SKIP");
 }
 
 thread_local bool serving_on_omp = false;  // inside cold_ffn_serve(..., use_pool=false)
 
 bool pool_enabled() {  // read per task (tens of ns): benchmarks switch it within one process
-  const char* v = std::getenv("HS_COLD_POOL");
-  return !serving_on_omp && !(v && v[0] == '0');
+  return !serving_on_omp && !env_off("HS_COLD_POOL");
 }
 
 // The polled hand-overs' abort word (pinned int64, set once either side gives up: every later wait on

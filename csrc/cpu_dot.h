@@ -6,6 +6,7 @@
 #include <cstring>
 #include <string>
 
+#include "env.h"
 #include "quant_blocks.h"
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -114,8 +115,7 @@ HS_AVX2 static inline float quantize_two_planes_avx2(const float* x, int8_t (*qs
 // instead of two: for CPUs where those dots, not the memory, bound the FFN (the Xeon's cores turn 4.5 GiB/s of
 // Q4_0 rows into dots each). Default 2: two planes, ~15-bit activations.
 inline int act_planes() {
-  const char* v = std::getenv("HS_ACT_PLANES");
-  return v && v[0] == '1' && v[1] == 0 ? 1 : 2;
+  return env_is("HS_ACT_PLANES", '1') ? 1 : 2;
 }
 
 inline void quantize_act_q8(const float* x, ActQ8* out, int64_t n) {
@@ -804,8 +804,7 @@ HS_AVX512_VBMI static inline void arrange_q4g_avx512(const ActQ8* a, int64_t nb,
 // 15. The distance is a variable on purpose: a compile-time 256 reached only 12 GiB/s with this GCC.
 // Rows side by side (listed rows, the fused FFN) gained nothing, so they do not prefetch.
 inline const int64_t Q4_WIDE_AHEAD = [] {
-  const char* v = std::getenv("HS_Q4_AHEAD");
-  const long long n = v ? std::atoll(v) : 0;
+  const long long n = env_int("HS_Q4_AHEAD", 256);
   return n > 0 ? static_cast<int64_t>(n) : int64_t{256};
 }();
 template <int R, bool ONE_PLANE = false, bool PREFETCH = false>
@@ -992,8 +991,7 @@ inline bool q4_wide() {
     __builtin_cpu_init();
     return cpu_has_avx512() && __builtin_cpu_supports("avx512vbmi");
   }();
-  const char* v = std::getenv("HS_Q4_WIDE");
-  return vbmi && !(v && v[0] == '0' && v[1] == 0);
+  return vbmi && !env_off("HS_Q4_WIDE");
 #else
   return false;
 #endif
@@ -1006,8 +1004,7 @@ inline bool q4_wide() {
 // nothing from it (tests/gpu/q4_wide_bench.py, from memory: 6.5 -> 6.5 GiB/s one thread, 57.3 -> 59.6
 // with 16), so it stays off above 4 threads, where an older whole-row prefetch cost 17% (HS_PREFETCH=2).
 inline bool q4_prefetch(int threads) {
-  const char* v = std::getenv("HS_Q4_PREFETCH");
-  if (v && (v[0] == '0' || v[0] == '1') && v[1] == 0) return v[0] == '1';
+  if (env_on("HS_Q4_PREFETCH") || env_off("HS_Q4_PREFETCH")) return env_on("HS_Q4_PREFETCH");
   return threads <= 4;
 }
 

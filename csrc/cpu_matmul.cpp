@@ -172,10 +172,7 @@ constexpr int64_t PREFETCH_MAX_BYTES = 4096;
 // row, 2 the same into all cache levels. Measured (13B rows, F16, 16 threads, the GPU machine's Xeon):
 // 172 / 26 / 142 GiB/s; on the 2-core EPYC dev machine 0 and 1 tie. Kept switchable for other CPUs.
 int prefetch_mode() {
-  static const int mode = [] {
-    const char* v = std::getenv("HS_PREFETCH");
-    return v ? std::atoi(v) : 0;
-  }();
+  static const int mode = static_cast<int>(env_int("HS_PREFETCH", 0));
   return mode;
 }
 
@@ -190,16 +187,18 @@ inline void prefetch_bytes(const char* p, int64_t n, int mode) {
     for (int64_t off = 0; off < n; off += 64) __builtin_prefetch(p + off, 0, 3);
 }
 
+// A switch for how many rows a thread computes side by side: 1, 2 or 4 (default 4; any other value: 1)
+int rows_together(const char* name) {
+  const long long n = env_int(name, 4);
+  return n == 2 || n == 4 ? static_cast<int>(n) : 1;
+}
+
 // Rows (float16, Q8_0, Q4_0, Q5_0; AVX-512 or AVX2) one thread streams side by side for one token when fewer
 // than half a weight's rows are listed: neurons in the fused FFN, rows in the row-dot (HS_FFN_ROWS: 1,
 // 2 or 4, default 4; read per call like HS_FUSED_FFN). Scattered rows one at a time leave the memory
 // idle (dev VM, 10% of 13824 rows, 2 threads: 1.4-1.7x); consecutive rows, which the hardware
 // prefetcher follows as one stream, lose (0.5-0.9x).
-int ffn_rows() {
-  const char* v = std::getenv("HS_FFN_ROWS");
-  const int n = v ? std::atoi(v) : 4;
-  return n == 2 || n == 4 ? n : 1;
-}
+int ffn_rows() { return rows_together("HS_FFN_ROWS"); }
 
 // Streams per thread of a dense one-token GEMV (HS_GEMV_STREAMS: 1, 2 or 4, default 4; read per call):
 // a thread's rows as that many interleaved runs, one row of each computed side by side, so that each
@@ -208,20 +207,15 @@ int ffn_rows() {
 // 13B attention F16 93.5 / 109.6 / 113.9 GiB/s with 1 / 2 / 4, 7B attention Q4_0 72.7 / 86.5 / 96.1,
 // Q8_0 predictors 68.2 / 77.3 / 88.4; one thread 9.2 -> 12.7, 7.5 -> 11.2, 6.7 -> 11.6. The Zen 4 dev VM
 // (2 threads): F16 20.2 -> 27.1, Q4_0 and Q8_0 within noise.
-int gemv_streams() {
-  const char* v = std::getenv("HS_GEMV_STREAMS");
-  const int n = v ? std::atoi(v) : 4;
-  return n == 2 || n == 4 ? n : 1;
-}
+int gemv_streams() { return rows_together("HS_GEMV_STREAMS"); }
 
 // Neurons a thread of the fused FFN claims at a time (HS_FFN_CHUNK; 0: one fixed share per thread).
 // Claimed shares keep every thread busy to the end of a layer when one of them starts late or is
 // preempted (the driver's callback thread and Python share the cores with the pool); a fixed share
 // made the whole layer wait for the slowest thread.
 int ffn_chunk() {
-  const char* v = std::getenv("HS_FFN_CHUNK");
-  const int n = v ? std::atoi(v) : 16;
-  return n > 0 ? n : 0;
+  const long long n = env_int("HS_FFN_CHUNK", 16);
+  return n > 0 ? static_cast<int>(n) : 0;
 }
 
 using DotRows = void (*)(const void* const*, const float*, int64_t, float*);
@@ -683,13 +677,11 @@ inline float act_scalar(float v, int64_t act) {
 }
 
 bool fused_enabled() {  // read per call (tens of ns): benchmarks switch it within one process
-  const char* v = std::getenv("HS_FUSED_FFN");
-  return !(v && v[0] == '0');
+  return !env_off("HS_FUSED_FFN");
 }
 
 bool gate_first_enabled() {  // HS_GATE_FIRST, read per call like HS_FUSED_FFN
-  const char* v = std::getenv("HS_GATE_FIRST");
-  return !(v && v[0] == '0');
+  return !env_off("HS_GATE_FIRST");
 }
 
 }  // namespace

@@ -21,6 +21,8 @@
 #include <cstdlib>
 #include <utility>
 
+#include "env.h"
+
 namespace hs {
 
 __device__ __forceinline__ void pdl_wait() {
@@ -42,14 +44,6 @@ __device__ __forceinline__ void prefetch_l2_warp(const void* p, int64_t bytes, i
   for (int64_t off = static_cast<int64_t>(lane) * 64; off < bytes; off += 32 * 64)
     asm volatile("prefetch.global.L2 [%0];" ::"l"(static_cast<const char*>(p) + off));
 }
-
-// NAME=1 / NAME=0 in the environment (switches read per launch: tests change them within a process)
-inline bool env_is(const char* name, char value) {
-  const char* v = std::getenv(name);
-  return v && v[0] == value && v[1] == 0;
-}
-inline bool env_on(const char* name) { return env_is(name, '1'); }
-inline bool env_off(const char* name) { return env_is(name, '0'); }
 
 // HS_CUDA_PDL=1 on a GPU of compute capability 9.0 or later
 inline bool pdl_enabled() {

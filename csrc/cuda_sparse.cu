@@ -565,8 +565,7 @@ axpy_kernel(const uint8_t* __restrict__ w, int64_t row_bytes, const float* __res
 // sets that target for side-by-side runs (132 * 64: full occupancy, so a 4096-row GEMV such as a 7B
 // layer's attention output or down projection gets two warps a row).
 int row_split(int64_t n_rows) {
-  const char* v = std::getenv("HS_CUDA_WANT_WARPS");
-  const int64_t set = v ? std::atoll(v) : 0;
+  const int64_t set = env_int("HS_CUDA_WANT_WARPS", 0);
   const int64_t want = set > 0 ? set : 132 * 32;
   return n_rows * 2 >= want ? 1 : (n_rows * 4 >= want ? 2 : 4);
 }

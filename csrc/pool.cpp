@@ -1,6 +1,8 @@
 // The spinning thread pool of csrc/pool.h.
 #include "pool.h"
 
+#include "env.h"
+
 #include <ATen/Parallel.h>
 
 #include <atomic>
@@ -32,8 +34,7 @@ thread_local bool in_pool_task = false;  // a pool task's own parallel_threads r
 // sched_yield() (other threads that need a core, e.g. the CUDA driver's, get it at once): nanoseconds,
 // from HS_POOL_SPIN_US (default 2000) and HS_POOL_YIELD_US (default 50), or pool_configure.
 int64_t env_us(const char* name, int64_t fallback) {
-  const char* v = std::getenv(name);
-  return (v && *v ? std::atoll(v) : fallback) * 1000;
+  return env_int(name, fallback) * 1000;
 }
 std::atomic<int64_t> spin_limit_ns{env_us("HS_POOL_SPIN_US", 2000)};
 std::atomic<int64_t> yield_after_ns{env_us("HS_POOL_YIELD_US", 50)};

@@ -42,6 +42,7 @@ if [ -d .whl ]; then
 fi
 python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+lscpu | grep -i "model name\|^L[23]\|^core" | tr -s " "  # the host CPU and its caches (a bench's 'from memory' must exceed L3)
 ( time python3 -m hybridsparse.runtime.kernels ) 2>&1 | tail -4
 
 STAGES=",${HS_STAGES:-tests,small},"
