@@ -1004,7 +1004,8 @@ inline bool q4_wide() {
 // nothing from it (tests/gpu/q4_wide_bench.py, from memory: 6.5 -> 6.5 GiB/s one thread, 57.3 -> 59.6
 // with 16), so it stays off above 4 threads, where an older whole-row prefetch cost 17% (HS_PREFETCH=2).
 inline bool q4_prefetch(int threads) {
-  if (env_on("HS_Q4_PREFETCH") || env_off("HS_Q4_PREFETCH")) return env_on("HS_Q4_PREFETCH");
+  if (env_on("HS_Q4_PREFETCH")) return true;
+  if (env_off("HS_Q4_PREFETCH")) return false;
   return threads <= 4;
 }
 
