@@ -32,9 +32,6 @@ MIN_GRAPH_BUCKET = 256
 # attention on the CPU in some layers (its GPU layers then hand over as in a whole-step graph; not yet
 # faster than the event path on the GPU machine, see HS_RUN_POOL); 0: never.
 RUN_GRAPHS = os.environ.get("HS_RUN_GRAPHS", "auto")
-# Their polled CPU parts on this thread's OpenMP team, which the CPU layers use too: on the spinning
-# pool (HS_RUN_POOL=1, read per step) the two sets of threads fought over the cores (S3 on an H200 host,
-# 16 threads: the GPU layers' cold FFNs at ~40 GiB/s, a step 107-109 ms against 85-92 op by op)
 
 
 @dataclass(slots=True)
@@ -95,9 +92,6 @@ class _DecodeGraphs:
         host_work = any(getattr(getattr(layer, "ffn", None), "n_cold", 0) for layer in model.layers)
         self.done = torch.cuda.Event(blocking=True) if host_work else None
 
-    def bucket(self, kv_len: int) -> int:
-        return _bucket(kv_len, self.n_ctx)
-
     def _step(self, kv_len: int) -> torch.Tensor:
         m = self.model
         x = m.embed(self.token, self.pos) if self.embed_inside else self.x
@@ -110,7 +104,7 @@ class _DecodeGraphs:
         if not self.embed_inside:
             p = self.model.placement
             self.x.copy_(self.model.embed(torch.tensor([token], device=p.embed), torch.tensor([pos], device=p.embed)))
-        b = self.bucket(pos + 1)
+        b = _bucket(pos + 1, self.n_ctx)
         if b not in self.graphs:
             self.graphs[b] = _capture(lambda: self._step(b), self.pool)
         graph, out, tasks = self.graphs[b]
@@ -189,6 +183,9 @@ class _RunGraphs:
                 self.graphs[r, b] = _capture(lambda: self._layers(r, self.x_in[r], b), self.pool)
             graph, out, tasks = self.graphs[r, b]
             graph.replay()
+            # their polled CPU parts on this thread's OpenMP team, which the CPU layers use too: on the
+            # spinning pool (HS_RUN_POOL=1, read per step) the two sets of threads fought over the cores (S3
+            # on an H200 host, 16 threads: the cold FFNs at ~40 GiB/s, a step 107-109 ms against 85-92 op by op)
             kernels.serve_polled(tasks, use_pool=os.environ.get("HS_RUN_POOL") == "1")
             x = out
         return m.finish(x)
