@@ -143,15 +143,23 @@ void attend_cached(const float* qp, const C* kcp, const C* vcp, const int64_t* p
   const int64_t tiles = (T + tt - 1) / tt;
   const int64_t G = tt * gq;  // query vectors per pass
   const int64_t passes = tiles * Hkv * sub;
-  // a decode step over a short cache is a few microseconds of work: not worth waking the threads
+  // A decode step over a short cache is little arithmetic, but its rows come from memory (a whole
+  // token's weights were read since this layer last ran), which one thread reads at a fraction of the
+  // bandwidth: only rows under 512 KiB stay on the calling thread (until session 26: any step under 2^20
+  // multiply-adds, e.g. Llama-2-7B's heads up to 255 positions). Dev VM, 2 threads, those heads, caches
+  // of 32 layers in turn, one thread -> two, alternating: float32 cache, 64 positions 266 -> 150 us a
+  // layer, 192 positions 564 -> 313; float16 at 192 372 -> 228; 16 positions (float16, 256 KiB) lost
+  // with two (41-66 us against 29-49), so stays on one. S5's model decoding at ~136 positions: the
+  // attention op 304-321 -> 218-247 us a layer.
   const int64_t work = T * Hq * kv_len * D;
+  const bool small = work < (1 << 20) && 2 * Hkv * kv_len * D * static_cast<int64_t>(sizeof(C)) < (512 << 10);
   const int64_t threads = at::get_num_threads();
   const int64_t spans = work < (1 << 20) || passes >= threads ? 1
                         : std::max<int64_t>(1, std::min<int64_t>((threads + passes - 1) / passes, kv_len / ATT_SPAN_MIN));
   const int64_t span_len = (kv_len + spans - 1) / spans;
   // per (pass, span, query vector): maximum, total, unnormalized output (spans > 1 only)
   std::vector<float> part_ml(spans > 1 ? passes * spans * G * 2 : 0), part_o(spans > 1 ? passes * spans * G * D : 0);
-  const int64_t grain = work < (1 << 20) ? passes * spans : 1;
+  const int64_t grain = small ? passes * spans : 1;
   // the vector kernels: AVX-512 for head sizes a multiple of 16, AVX2 for multiples of 8 (none: null)
   void (*vec_pass)(int64_t, const float*, const C*, const C*, int64_t, int64_t, float, float*, float*, bool) = nullptr;
   void (*vec_softmax)(float*, int64_t, float&, float&) = nullptr;

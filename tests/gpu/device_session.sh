@@ -264,11 +264,13 @@ HS_HYBRID_TIMING=1 HS_PROFILE_MODES=${HS_S3_MODES:-events,layers} \
   timeout ${HS_PROF_TIMEOUT:-300} python3 tests/gpu/profile_hybrid.py $M3 8 predictor 16 2>&1 \
   | grep -v "^hybrid:\|placing layers" | tee "$OUT/profile_s3.txt" | tail -75
 fi
-if [[ $STAGES == *,s5prof,* ]]; then  # S5's CPU-only sparse step at 16 threads: time per layer and part
+if [[ $STAGES == *,s5prof,* ]]; then  # S5's CPU-only sparse step at 16 threads: time per layer and part, then per call of the block (cpu_step_parts.py)
 write_s5_model
 HS_HYBRID_TIMING=1 HS_PROFILE_MODES=events,layers \
   HS_THREADS=${HS_POLL_T:-16} timeout 200 python3 tests/gpu/profile_hybrid.py $M5 0 predictor 32 2>&1 \
   | grep -v "^hybrid:\|placing layers" | tee "$OUT/profile_s5.txt" | tail -50
+HS_HYBRID_TIMING=1 HS_THREADS=${HS_POLL_T:-16} timeout 200 python3 tests/gpu/cpu_step_parts.py $M5 32 2>&1 \
+  | tr '\r' '\n' | grep -v "placing layers\|^ *$" | tee "$OUT/s5-parts.txt" | tail -14
 fi
 if [[ $STAGES == *,streams,* ]]; then  # a dense GEMV's rows as 1/2/4 interleaved streams a thread (HS_GEMV_STREAMS)
 python3 tests/gpu/gemv_streams_bench.py 16 1 2>&1 | tee "$OUT/gemv-streams.txt"
