@@ -700,12 +700,15 @@ def cpu_ffn_reads(up_type, gate_type, down_type) -> bool:
 
 
 def sparse_ffn(x, up, up_type, gate, gate_type, down_t, down_type, idx, up_bias=None, activation="relu",
-               act_on_up=False):
-    """The FFN over the neurons idx (None: all): (y [T, d_model], h [T, |idx|])."""
+               act_on_up=False, check: bool = True):
+    """The FFN over the neurons idx (None: all): (y [T, d_model], h [T, |idx|]). check=False: the
+    runtime's own index sets (a decode step's layer saves two reductions; the compiled op still refuses
+    an id outside the rows)."""
     validate_matmul(up, up_type, x, "sparse_ffn")
     if gate is not None:
         validate_matmul(gate, gate_type, x, "sparse_ffn")
-    _check_index(idx, up.shape[0], "sparse_ffn")
+    if check:
+        _check_index(idx, up.shape[0], "sparse_ffn")
     if use_cpu_op(x) and cpu_ffn_reads(up_type, None if gate is None else gate_type, down_type):
         return cpu.sparse_ffn(x, up, int(up_type), gate, int(gate_type) if gate is not None else 0, down_t,
                               int(down_type), None if idx is None else idx.contiguous(), up_bias,
