@@ -1,10 +1,12 @@
 """Where a CPU-only decode step's time goes (tool): MODEL loaded for the CPU alone (hybrid form at
-budget 0, predictors on, as `hs-run --vram-budget 0`), N tokens decoded one at a time, and the host time
+budget 0, predictors on, as `hs-run --vram-budget 0`), a prompt of HS_PARTS_PROMPT tokens (default 64,
+as the scenarios), then N tokens decoded one at a time, and the host time
 of each call the llama block makes (q/k/v GEMVs with the norm, rotary, attention, the output GEMV with
 the residual, the FFN with its norm, predictor and the sparse FFN) summed per token, with the GiB/s of
 the dense GEMVs on the bytes they read. The calls are timed by wrapping the names the model module
 calls; the parts and the step are timed in separate runs (so the wrappers' own cost shows as the
-difference). On the GPU machine: the 16-thread Xeon's S5 step.
+difference). Then the step with the attention op on one thread (what it ran on below 2^20 multiply-adds
+until session 26), timed likewise, next to the default. On the GPU machine: the 16-thread Xeon's S5 step.
   HS_THREADS=16 python tests/gpu/cpu_step_parts.py MODEL [N]"""
 
 import os
@@ -47,10 +49,24 @@ def timed(name, f):
     return call
 
 
+def one_thread(f):
+    def call(*args, **kw):
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return f(*args, **kw)
+        finally:
+            torch.set_num_threads(threads)
+    return call
+
+
+prompt = int(os.environ.get("HS_PARTS_PROMPT", "64"))
+
+
 def run(tokens: int) -> float:
     gen = Generator(model, lm.tokenizer, 512, use_graphs=False)
     with torch.inference_mode():
-        gen.eval([1, 2, 3, 4])
+        gen.eval([1 + i % 1000 for i in range(prompt)])
         for i in range(4):
             gen.eval([5 + i])
         spent.clear()
@@ -68,10 +84,16 @@ for name in PARTS:
     setattr(llama, name, timed(name, originals[name]))
 parted = run(n)
 parts, ffn_parts = dict(spent), dict(hybrid.TIMING or {})
+llama.attend = timed("attend", one_thread(originals["attend"]))
+serial = run(n)
+serial_attend = spent["attend"] / n
 for name, f in originals.items():
     setattr(llama, name, f)
 plain2 = run(n)
-print(f"step {plain * 1e3:.2f} / {plain2 * 1e3:.2f} ms per token (plain, twice), {parted * 1e3:.2f} with the parts timed")
+print(f"step {plain * 1e3:.2f} / {plain2 * 1e3:.2f} ms per token (plain, twice), {parted * 1e3:.2f} with the parts timed"
+      f" (prompt {prompt}, {n} tokens)")
+print(f"attention op on one thread: step {serial * 1e3:.2f} ms, attention {serial_attend * 1e3:.2f} ms "
+      f"(on {torch.get_num_threads()}: {parts['attend'] / n * 1e3:.2f})")
 layers = len(model.layers)
 for name, label in PARTS.items():
     ms = parts[name] / n * 1e3
