@@ -171,16 +171,16 @@ class Rotary:
     def apply(self, x: torch.Tensor, step: "Step") -> torch.Tensor:
         """x [T, heads, head_dim] at the step's positions; only the first `dim` features rotate."""
         key = id(self)
-        if key not in step.rope:  # gathered once per step, shared by every layer
-            step.rope[key] = (self.cos[step.positions].unsqueeze(1), self.sin[step.positions].unsqueeze(1))
+        if key not in step.rope:  # gathered once per step, shared by every layer: [T, dim / 2] for the ops
+            step.rope[key] = (self.cos[step.positions], self.sin[step.positions])
         cos, sin = step.rope[key]
         if kernels.use_cpu_op(x) and x.is_contiguous():
-            kernels.cpu.rope_(x, cos[:, 0], sin[:, 0], self.style == "neox")
+            kernels.cpu.rope_(x, cos, sin, self.style == "neox")
             return x
         if kernels.use_cuda_op(x, cos) and x.dim() == 3 and x.stride(-1) == 1:
-            kernels.ops().rope_(x, cos[:, 0], sin[:, 0], self.style == "neox")
+            kernels.ops().rope_(x, cos, sin, self.style == "neox")
             return x
-        return self.apply_reference(x, cos, sin)
+        return self.apply_reference(x, cos.unsqueeze(1), sin.unsqueeze(1))
 
     def apply_reference(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         rot, rest = x[..., :self.dim], x[..., self.dim:]
