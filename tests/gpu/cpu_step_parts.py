@@ -26,7 +26,9 @@ kernels.ops()
 path = sys.argv[1]
 n = int(sys.argv[2]) if len(sys.argv) > 2 else 16
 torch.set_num_threads(int(os.environ.get("HS_THREADS", "16")))
-lm = open_model(path, hybrid=HybridOptions(vram_budget=0, mode="predictor", n_ctx=512), log_line=lambda *a: None)
+# the commands' float16 KV cache (-ctk/-ctv f16)
+lm = open_model(path, hybrid=HybridOptions(vram_budget=0, mode="predictor", n_ctx=512), log_line=lambda *a: None,
+                cache_dtype=torch.float16)
 model = lm.model
 if not isinstance(model, llama.Llama):
     raise SystemExit(f"{path}: a llama-family model is needed (the parts timed are llama's)")
