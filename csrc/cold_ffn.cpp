@@ -17,6 +17,7 @@
 // no callback thread: ~215 us less GPU idle time per layer (HS_HANDOVER=poll; runtime/kernels.py).
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdlib>
@@ -29,6 +30,7 @@
 #include <vector>
 
 #include "check.h"
+#include "cpu_dot.h"
 #include "env.h"
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -221,27 +223,73 @@ int64_t cold_ffn_new(const at::Tensor& x, const at::Tensor& mask, const at::Tens
 
 void cold_ffn_run(int64_t handle) { run(get(handle)); }
 
+#ifdef HS_X86
+// select_ids' scores form 16 ids a step: their scores gathered and compared, the kept ids packed in a
+// register and stored whole (a compress straight to memory is microcoded on Zen 4); op has room, since
+// k <= i. Ordered >=, so a NaN score is not kept, as in the scalar loop.
+HS_AVX512 int64_t select_scores_avx512(const float* sp, float t, const int32_t* ip, int64_t m, int32_t* op) {
+  const __m512 tv = _mm512_set1_ps(t);
+  int64_t k = 0, i = 0;
+  for (; i + 16 <= m; i += 16) {
+    const __m512i id = _mm512_loadu_si512(ip + i);
+    const __mmask16 keep = _mm512_cmp_ps_mask(_mm512_i32gather_ps(id, sp, 4), tv, _CMP_GE_OQ);
+    _mm512_storeu_si512(op + k, _mm512_maskz_compress_epi32(keep, id));
+    k += __builtin_popcount(keep);
+  }
+  for (; i < m; ++i) {
+    op[k] = ip[i];
+    k += sp[ip[i]] >= t;
+  }
+  return k;
+}
+#endif
+
 // The ids[k] whose entry in a whole layer's mask (bool [n_ff]) is set, in ids' order: a layer whose
 // x is on the CPU picks its active cold neurons in one pass (torch's index_select and boolean
-// indexing took ~150 us for 28672 neurons).
-at::Tensor select_ids(const at::Tensor& mask, const at::Tensor& ids) {
-  HS_CHECK(mask.device().is_cpu() && mask.scalar_type() == at::kBool && mask.dim() == 1 && mask.is_contiguous(),
-           "select_ids: mask must be a contiguous 1-D bool CPU tensor");
+// indexing took ~150 us for 28672 neurons). With a threshold, `mask` is the predictor's float32 scores
+// and an entry is set where score >= threshold (the comparison folded in: torch's `>=` on 11008
+// scores took 7-13 us on the dev VM, and one more tensor).
+at::Tensor select_ids(const at::Tensor& mask, const at::Tensor& ids, c10::optional<double> threshold) {
+  const bool scores = threshold.has_value();
+  HS_CHECK(mask.device().is_cpu() && mask.scalar_type() == (scores ? at::kFloat : at::kBool) && mask.dim() == 1 &&
+               mask.is_contiguous(),
+           "select_ids: mask must be a contiguous 1-D ", scores ? "float32 (scores, with a threshold)" : "bool",
+           " CPU tensor");
   HS_CHECK(ids.device().is_cpu() && ids.scalar_type() == at::kInt && ids.dim() == 1 && ids.is_contiguous(),
            "select_ids: ids must be a contiguous 1-D int32 CPU tensor");
   const int64_t n = mask.numel(), m = ids.numel();
-  const bool* mp = mask.data_ptr<bool>();
   const int32_t* ip = ids.data_ptr<int32_t>();
   at::Tensor out = at::empty({m}, ids.options());
   int32_t* op = out.data_ptr<int32_t>();
-  for (int64_t i = 0; i < m; ++i)
-    HS_CHECK(ip[i] >= 0 && ip[i] < n, "select_ids: id ", ip[i], " out of range for a mask of ", n);
+  int32_t lo = 0, hi = 0;  // the ids' range, in a loop the compiler vectorizes; the culprit found only on error
+  if (m) lo = hi = ip[0];
+  for (int64_t i = 1; i < m; ++i) {
+    lo = std::min(lo, ip[i]);
+    hi = std::max(hi, ip[i]);
+  }
+  if (lo < 0 || hi >= n) {
+    for (int64_t i = 0; i < m; ++i)
+      HS_CHECK(ip[i] >= 0 && ip[i] < n, "select_ids: id ", ip[i], " out of range for a mask of ", n);
+  }
   // without a branch on the mask: a third of the neurons active at random mispredicts one in two ids
   // (dev VM: 50 us a layer for Llama-2-7B's 11008 neurons with the branch)
   int64_t k = 0;
-  for (int64_t i = 0; i < m; ++i) {
-    op[k] = ip[i];
-    k += mp[ip[i]];
+  if (scores) {
+    const float* sp = mask.data_ptr<float>();
+    const float t = static_cast<float>(*threshold);
+#ifdef HS_X86
+    if (cpu_has_avx512()) return out.narrow(0, 0, select_scores_avx512(sp, t, ip, m, op));
+#endif
+    for (int64_t i = 0; i < m; ++i) {
+      op[k] = ip[i];
+      k += sp[ip[i]] >= t;
+    }
+  } else {
+    const bool* mp = mask.data_ptr<bool>();
+    for (int64_t i = 0; i < m; ++i) {
+      op[k] = ip[i];
+      k += mp[ip[i]];
+    }
   }
   return out.narrow(0, 0, k);
 }

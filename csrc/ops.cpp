@@ -40,7 +40,7 @@ int64_t cold_ffn_new(const at::Tensor& x, const at::Tensor& mask, const at::Tens
                      const at::Tensor& down_t, int64_t down_type, const c10::optional<at::Tensor>& up_bias,
                      int64_t act, bool act_on_up);
 void cold_ffn_run(int64_t handle);
-at::Tensor select_ids(const at::Tensor& mask, const at::Tensor& ids);
+at::Tensor select_ids(const at::Tensor& mask, const at::Tensor& ids, c10::optional<double> threshold);
 void cold_ffn_enqueue(int64_t handle);
 void cold_ffn_enqueue_polled(int64_t handle, const at::Tensor& x, const c10::optional<at::Tensor>& mask,
                              const at::Tensor& y, const at::Tensor& counter, double timeout_s);
@@ -114,7 +114,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gated_act", &hs::gated_act_cpu);
   m.def("cold_ffn_new", &hs::cold_ffn_new, "a layer's cold FFN task over pinned x / mask / y buffers (csrc/cold_ffn.cpp)");
   m.def("cold_ffn_run", &hs::cold_ffn_run, "run the task on this thread");
-  m.def("select_ids", &hs::select_ids, "ids[k] where mask[ids[k]] (a whole layer's bool mask), in order");
+  m.def("select_ids", &hs::select_ids, "ids[k] where mask[ids[k]] (a whole layer's bool mask; with a threshold, "
+        "its float32 scores >= threshold), in order", py::arg("mask"), py::arg("ids"), py::arg("threshold") = py::none());
   m.def("cold_ffn_enqueue", &hs::cold_ffn_enqueue, "run the task as a host node of the current CUDA stream");
   m.def("cold_ffn_enqueue_polled", &hs::cold_ffn_enqueue_polled,
         "the task's polled hand-over on the current CUDA stream (x and mask out, y in; cold_ffn_serve answers)");

@@ -109,9 +109,11 @@ def test_relu_oracle_computes_only_the_active_neurons(tmp_path, monkeypatch):
     assert seen and max(seen) < model.config.n_ff  # a ReLU layer never needs all its neurons
 
 
-def test_predictor_mode_uses_predicted_sets(tmp_path):
+@pytest.mark.parametrize("all_cold", [False, True])
+def test_predictor_mode_uses_predicted_sets(tmp_path, all_cold):
     """Predictors that say 'everything' reproduce dense output; predictors that say 'nothing' leave the
-    FFN out (output = attention only), so the predictor is what decides."""
+    FFN out (output = attention only), so the predictor is what decides. All neurons cold (CPU-only):
+    one token's active ids come straight from the scores (select_ids with the threshold)."""
     _, dense = build_case("llama-relu", tmp_path)
     path = dense.gguf.path
     ids = torch.arange(1, 6)
@@ -124,6 +126,8 @@ def test_predictor_mode_uses_predicted_sets(tmp_path):
         pred = write_predictors(tmp_path / "p.gguf", results, {})
         model = load_model(GGUFFile(path))
         hot, attn = _split(model, 1)
+        if all_cold:
+            hot = [np.zeros(0, dtype=np.int64) for _ in hot]
         setup_hybrid(model, path, HybridOptions(predictors=str(pred), device="cpu", hot=hot, attn_fast=attn),
                      log_line=lambda *_: None)
         logits, _ = greedy_run(model, ids)

@@ -652,8 +652,8 @@ def test_a_killed_builds_lock_is_cleared_and_a_live_one_kept(tmp_path, capsys):
 
 
 def test_select_ids_picks_the_active_cold_neurons():
-    """select_ids (a CPU layer's active cold neurons from its whole mask) keeps ids' order, and refuses
-    an id outside the mask or a mask of the wrong type."""
+    """select_ids (a CPU layer's active cold neurons from its whole mask, or from the predictor's scores
+    and threshold) keeps ids' order, and refuses an id outside the mask or a mask of the wrong type."""
     g = torch.Generator().manual_seed(3)
     mask = torch.rand(1000, generator=g) < 0.3
     ids = torch.randperm(1000, generator=g)[:700].int()
@@ -663,6 +663,13 @@ def test_select_ids_picks_the_active_cold_neurons():
         kernels.cpu.select_ids(mask, torch.tensor([5, 1000], dtype=torch.int32))
     with pytest.raises(RuntimeError, match="bool"):
         kernels.cpu.select_ids(mask.float(), ids)
+    # with a threshold: the predictor's scores compared in the same pass (a NaN score is not active)
+    scores = torch.randn(1000, generator=g)
+    scores[ids[0]], scores[ids[1]] = float("nan"), 0.25
+    picked = kernels.cpu.select_ids(scores, ids, 0.25)
+    assert torch.equal(picked, ids[(scores >= 0.25)[ids.long()]]) and ids[1] in picked and ids[0] not in picked
+    with pytest.raises(RuntimeError, match="float32"):
+        kernels.cpu.select_ids(mask, ids, 0.25)
 
 
 def test_compiled_errors_carry_numbers_and_types():
