@@ -235,6 +235,7 @@ class HybridFFN:
         self._event = None
         self._hot_graph = None  # None: never run; False: warmed up; then (pinned x, mask, y, graph, event, ...)
         self._task = None  # the cold FFN as a host node task (decode on CUDA), made on first use
+        self._cpu_token = None  # CPU-only decode's bound calls (_cpu_token_fn), made on first use; False: none
         if self.n_hot:
             idx = torch.from_numpy(hot)
             gather = (lambda q: None if q is None else QWeight(q.data[idx], q.qtype, q.in_features).to(self.fast))
@@ -310,6 +311,11 @@ class HybridFFN:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         dev = x.device
         one_cpu_token = bool(self.n_cold) and dev.type == "cpu" and x.shape[0] == 1 and kernels.cpu is not None
+        if one_cpu_token and self._cpu_token is not False:
+            if self._cpu_token is None:
+                self._cpu_token = self._cpu_token_fn()
+            if self._cpu_token:
+                return self._cpu_token(x)
         cold_idx = None
         with _timed("predictor"):
             if one_cpu_token and self.mode == "predictor" and not self.n_hot:
@@ -362,6 +368,34 @@ class HybridFFN:
         if y is None:
             y = x.new_zeros(x.shape[0], self.down_t.in_features)
         return self._plus_down_bias(y)
+
+    def _cpu_token_fn(self):
+        """CPU-only decode of one token (every neuron cold, the predictor deciding) as three compiled calls
+        with their arguments bound once: the predictor's two GEMVs, the active ids from its scores, the
+        fused FFN over them (the general path below makes ~25 Python calls a layer around the same three).
+        False where this layer is not that case or its types are not the compiled ops'."""
+        p, w, d = self.predictor, self.full, self.down_t
+        if self.mode != "predictor" or self.n_hot or not isinstance(p.fc1, QWeight) \
+                or not isinstance(p.fc2, QWeight) or p.fc1.qtype not in kernels.CPU_QTYPES \
+                or p.fc2.qtype not in kernels.CPU_QTYPES or p.fc1.data.is_cuda \
+                or not kernels.cpu_ffn_reads(w.up.qtype, None if w.gate is None else w.gate.qtype, d.qtype):
+            return False
+        qmatmul, select, ffn = kernels.cpu.qmatmul, kernels.cpu.select_ids, kernels.cpu.sparse_ffn
+        fc1, t1, fc2, t2, thr = p.fc1.data, int(p.fc1.qtype), p.fc2.data, int(p.fc2.qtype), float(p.threshold)
+        gate = None if w.gate is None else w.gate.data
+        args = (w.up.data, int(w.up.qtype), gate, int(w.gate.qtype) if gate is not None else 0, d.data, int(d.qtype))
+        tail = (w.up_bias, kernels.ACTIVATION_IDS[self.spec.activation], self.spec.act_on_up)
+        ids, d_out = self.cold_ids, d.in_features
+        plus_bias = self._plus_down_bias
+
+        def run(x: torch.Tensor) -> torch.Tensor:
+            x = x.float().contiguous()
+            with _timed("predictor"):
+                idx = select(qmatmul(fc2, t2, qmatmul(fc1, t1, x).relu_())[0], ids, thr)
+            with _timed("CPU FFN"):
+                y = ffn(x, *args, idx, *tail)[0] if idx.numel() else x.new_zeros(1, d_out)
+            return plus_bias(y)
+        return run
 
     def start(self, x: torch.Tensor):
         """This FFN of x as a function giving its output (layers.ffn_start): one token on CUDA with a

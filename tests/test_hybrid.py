@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from hybridsparse.runtime import hybrid
+from hybridsparse.runtime import hybrid, kernels
 from hybridsparse.runtime.gguf_file import GGUFFile
 from hybridsparse.solver import plan
 from hybridsparse.runtime.hybrid import HybridFFN, HybridOptions, down_t_cache_path, setup_hybrid
@@ -109,12 +109,13 @@ def test_relu_oracle_computes_only_the_active_neurons(tmp_path, monkeypatch):
     assert seen and max(seen) < model.config.n_ff  # a ReLU layer never needs all its neurons
 
 
-@pytest.mark.parametrize("all_cold", [False, True])
-def test_predictor_mode_uses_predicted_sets(tmp_path, all_cold):
+@pytest.mark.parametrize("all_cold,dtype", [(False, "f32"), (True, "f32"), (True, "f16")])
+def test_predictor_mode_uses_predicted_sets(tmp_path, all_cold, dtype):
     """Predictors that say 'everything' reproduce dense output; predictors that say 'nothing' leave the
     FFN out (output = attention only), so the predictor is what decides. All neurons cold (CPU-only):
-    one token's active ids come straight from the scores (select_ids with the threshold)."""
-    _, dense = build_case("llama-relu", tmp_path)
+    one token's active ids come straight from the scores (select_ids with the threshold); with weights
+    the compiled ops read (F16), each layer decodes through its bound calls (HybridFFN._cpu_token_fn)."""
+    _, dense = build_case("llama-relu", tmp_path, dtype)
     path = dense.gguf.path
     ids = torch.arange(1, 6)
     ref_logits, _ = greedy_run(dense, ids)
@@ -133,6 +134,8 @@ def test_predictor_mode_uses_predicted_sets(tmp_path, all_cold):
         logits, _ = greedy_run(model, ids)
         close = torch.allclose(logits, ref_logits, atol=1e-4 * ref_logits.abs().max().item())
         assert close == same
+        bound = [callable(L.ffn._cpu_token) for L in model.layers]
+        assert bound == [all_cold and dtype == "f16" and kernels.available()] * c.n_layers
 
 
 def test_a_prompt_computes_the_fast_devices_rows_dense(tmp_path, monkeypatch):
