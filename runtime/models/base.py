@@ -131,7 +131,10 @@ class CausalLM:
         return None
 
     def embed(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return dequantize(self.embedding.data[tokens], self.embedding.qtype)
+        rows, qtype = self.embedding.data[tokens], self.embedding.qtype
+        if not rows.is_cuda and qtype in kernels.CPU_DEQUANT_TYPES and kernels.ops() is not None and len(rows):
+            return kernels.cpu.dequantize(rows, int(qtype))  # one compiled call, not the twin's ~10 torch ops
+        return dequantize(rows, qtype)
 
     windows: ClassVar[tuple] = (None,)
 
