@@ -349,7 +349,6 @@ std::vector<at::Tensor> qmatmul_rows_cpu(const std::vector<at::Tensor>& ws, cons
   for (size_t i = 0; i < ws.size(); ++i) {
     check_weight(ws[i], qtypes[i], K, "qmatmul");
     const int64_t M = check_rows(idxs[i], ws[i].size(0), "qmatmul");
-    ys.push_back(at::empty({T, M}, x.options()));
     first_row.push_back(first_row.back() + M);
     const int be = block_elems(qtypes[i]);
     if (be == QK && act32.empty()) {
@@ -361,6 +360,11 @@ std::vector<at::Tensor> qmatmul_rows_cpu(const std::vector<at::Tensor>& ws, cons
     }
   }
   const int64_t total = first_row.back();
+  // one token: the outputs side by side in one buffer (q/k/v then make one rotary call, rope_qk)
+  const at::Tensor all = T == 1 && ws.size() > 1 ? at::empty({1, total}, x.options()) : at::Tensor();
+  for (size_t i = 0; i < ws.size(); ++i)
+    ys.push_back(all.defined() ? all.narrow(1, first_row[i], first_row[i + 1] - first_row[i])
+                               : at::empty({T, first_row[i + 1] - first_row[i]}, x.options()));
   if (T == 0 || total == 0) return ys;
 #ifdef HS_X86
   const std::vector<ActQ4G> act4 = arranged_q4g(act32, T, K / QK,
