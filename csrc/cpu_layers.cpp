@@ -30,7 +30,11 @@ void rope_cpu(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, bool n
   float* xp = x.data_ptr<float>();
   const float* cp = cc.data_ptr<float>();
   const float* sp = ss.data_ptr<float>();
-  at::parallel_for(0, T * H, 16, [&](int64_t b, int64_t e) {
+  // a decode step's few heads (one token: 64 rows of 64 pairs for Llama-2-7B's q and k) on this thread:
+  // the GPU machine's Xeon took 53 us a layer for them with an OpenMP team of 4 between GEMVs of 16
+  // (session 26, tests/gpu/cpu_step_parts.py)
+  const int64_t grain = T * H * half < (1 << 16) ? T * H : 16;
+  at::parallel_for(0, T * H, grain, [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) {
       float* v = xp + r * D;
       const float* c = cp + (r / H) * half;

@@ -748,7 +748,8 @@ def _random_weight(qtype, rows: int, cols: int) -> torch.Tensor:
 
 
 def _time(f, reps: int, cuda: bool = False, warm=None) -> float:
-    """Median seconds per call; on the CPU each call after reading 256 MiB (more than any L3), so the
+    """Median seconds per call; on the CPU each call after reading 1 GiB (the GPU machine's H100 host
+    reports a 300 MiB L3, which the 256 MiB read until session 26 did not flush), so the
     rows come from memory, and then `warm` (the same op on a small weight of its own): the flush also
     leaves the code, the allocator's structures, the threads and the TLB cold, ~35 us a call on the dev
     VM (one listed 10 KiB row: 40 us timed right after the flush, 6.8 after a call on other rows, 1.9
@@ -757,7 +758,7 @@ def _time(f, reps: int, cuda: bool = False, warm=None) -> float:
     time, not Python's launch overhead."""
     f()
     if not cuda:  # rows read from DRAM, not from a cache warmed by the previous call
-        flush = torch.ones((256 << 20) // 4)
+        flush = torch.ones((1 << 30) // 4)
         times = []
         for _ in range(reps):
             flush.sum()
