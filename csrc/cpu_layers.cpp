@@ -335,6 +335,37 @@ at::Tensor attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Ten
   return out;
 }
 
+std::vector<at::Tensor> qmatmul_rows_cpu(const std::vector<at::Tensor>& ws, const std::vector<int64_t>& qtypes,
+                                         const at::Tensor& x, const std::vector<c10::optional<at::Tensor>>& idxs);
+at::Tensor qmatmul_cpu(const at::Tensor& w, int64_t qtype, const at::Tensor& x);
+at::Tensor rms_norm_cpu(const at::Tensor& x, const at::Tensor& w, double eps);
+
+// One token's attention half of a llama-family block (no q/k/v biases) as one call:
+//   x + o . attention(rope(q), rope(k), v),  q/k/v = W_q/k/v . rms_norm(x)
+// the same five ops the Python block calls, without the Python around them (in a decode step on the GPU
+// machine's Xeon ~2 us a Python operation, ~40 of them for this half: more than its small ops take).
+at::Tensor attention_block_cpu(const at::Tensor& x, const at::Tensor& norm_w, double eps,
+                               const std::vector<at::Tensor>& qkv, const std::vector<int64_t>& qkv_types,
+                               const at::Tensor& o, int64_t o_type, int64_t n_heads, int64_t n_kv_heads,
+                               const at::Tensor& cos, const at::Tensor& sin, bool neox, at::Tensor k_cache,
+                               at::Tensor v_cache, const at::Tensor& positions, int64_t kv_len, double scale) {
+  HS_CHECK(x.dim() == 2 && x.size(0) == 1 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+           "attention_block: x must be one token, contiguous float32 [1, d_model]");
+  HS_CHECK(qkv.size() == 3 && qkv_types.size() == 3, "attention_block: q, k and v weights and their types expected");
+  HS_CHECK(n_heads > 0 && n_kv_heads > 0 && qkv[0].size(0) % n_heads == 0, "attention_block: head counts");
+  const int64_t D = qkv[0].size(0) / n_heads;
+  HS_CHECK(qkv[1].size(0) == n_kv_heads * D && qkv[2].size(0) == n_kv_heads * D,
+           "attention_block: k and v must have n_kv_heads * head_dim rows");
+  const at::Tensor xn = rms_norm_cpu(x, norm_w, eps);
+  const auto ys = qmatmul_rows_cpu(qkv, qkv_types, xn, std::vector<c10::optional<at::Tensor>>(3));
+  // one token: q, k, v side by side in one buffer (qmatmul_rows_cpu), so q and k rotate in one call
+  const int64_t total = (n_heads + 2 * n_kv_heads) * D;
+  rope_cpu(ys[0].as_strided({1, n_heads + n_kv_heads, D}, {total, D, 1}), cos, sin, neox);
+  const at::Tensor a = attention_cpu(ys[0].view({1, n_heads, D}), ys[1].view({1, n_kv_heads, D}),
+                                     ys[2].view({1, n_kv_heads, D}), k_cache, v_cache, positions, kv_len, 0, scale);
+  return qmatmul_cpu(o, o_type, a).add_(x);
+}
+
 // act: 0 silu, 1 relu, 2 gelu (tanh approximation), 3 gelu (erf); act_on_up: dReLU-style. ATen's
 // vectorized activations, called from C++: one dispatch from Python instead of two or three.
 at::Tensor gated_act_cpu(const at::Tensor& gate, const at::Tensor& up, int64_t act, bool act_on_up) {

@@ -35,6 +35,11 @@ at::Tensor attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Ten
                          double scale);
 at::Tensor gated_act_cpu(const at::Tensor& gate, const at::Tensor& up, int64_t act, bool act_on_up);
 at::Tensor rms_norm_cpu(const at::Tensor& x, const at::Tensor& w, double eps);
+at::Tensor attention_block_cpu(const at::Tensor& x, const at::Tensor& norm_w, double eps,
+                               const std::vector<at::Tensor>& qkv, const std::vector<int64_t>& qkv_types,
+                               const at::Tensor& o, int64_t o_type, int64_t n_heads, int64_t n_kv_heads,
+                               const at::Tensor& cos, const at::Tensor& sin, bool neox, at::Tensor k_cache,
+                               at::Tensor v_cache, const at::Tensor& positions, int64_t kv_len, double scale);
 int64_t cold_ffn_new(const at::Tensor& x, const at::Tensor& mask, const at::Tensor& ids, const at::Tensor& y,
                      const at::Tensor& up, int64_t up_type, const c10::optional<at::Tensor>& gate, int64_t gate_type,
                      const at::Tensor& down_t, int64_t down_type, const c10::optional<at::Tensor>& up_bias,
@@ -111,6 +116,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &hs::rms_norm_cpu);
   m.def("rope_", &hs::rope_cpu);
   m.def("attention", &hs::attention_cpu);
+  m.def("attention_block", &hs::attention_block_cpu,
+        "one token: x + o . attention(rope(q), rope(k), v) of rms_norm(x) (a llama block's attention half)");
   m.def("gated_act", &hs::gated_act_cpu);
   m.def("cold_ffn_new", &hs::cold_ffn_new, "a layer's cold FFN task over pinned x / mask / y buffers (csrc/cold_ffn.cpp)");
   m.def("cold_ffn_run", &hs::cold_ffn_run, "run the task on this thread");

@@ -843,6 +843,14 @@ def use_cpu_op(t: torch.Tensor) -> bool:
     return not t.is_cuda and ops() is not None
 
 
+def cpu_block_ok(x: torch.Tensor, ws, cache) -> bool:
+    """Whether one token's attention half runs as the compiled `attention_block`: x float32 on the CPU,
+    weights of types the CPU GEMV reads, a float32 or float16 cache (a list of caches: a batch)."""
+    return (not x.is_cuda and x.dtype == torch.float32 and ops() is not None and not isinstance(cache, list)
+            and cache.k.dtype in (torch.float32, torch.float16) and all(w.qtype in CPU_QTYPES for w in ws)
+            and x.shape[0] < CPU_GEMM_TOKENS)
+
+
 if __name__ == "__main__":  # `python -m hybridsparse.runtime.kernels`: build now (make install)
     build(verbose="-v" in sys.argv)
     print(f"hybridsparse: kernels ready (CPU path: {cpu.cpu_path()}, CUDA: {_has_cuda_kernels()})")

@@ -168,12 +168,16 @@ class Rotary:
         self.cos, self.sin = self.cos.to(device), self.sin.to(device)
         return self
 
+    def tables(self, step: "Step") -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, dim / 2] at the step's positions: gathered once per step, shared by every layer."""
+        key = id(self)
+        if key not in step.rope:
+            step.rope[key] = (self.cos[step.positions], self.sin[step.positions])
+        return step.rope[key]
+
     def apply(self, x: torch.Tensor, step: "Step") -> torch.Tensor:
         """x [T, heads, head_dim] at the step's positions; only the first `dim` features rotate."""
-        key = id(self)
-        if key not in step.rope:  # gathered once per step, shared by every layer: [T, dim / 2] for the ops
-            step.rope[key] = (self.cos[step.positions], self.sin[step.positions])
-        cos, sin = step.rope[key]
+        cos, sin = self.tables(step)
         if kernels.use_cpu_op(x) and x.is_contiguous():
             kernels.cpu.rope_(x, cos, sin, self.style == "neox")
             return x

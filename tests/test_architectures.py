@@ -106,6 +106,43 @@ def test_logits_match_transformers(name, tmp_path):
     assert isinstance(cache[0], KVCache) and c.n_layers == len(cache)
 
 
+@pytest.mark.parametrize("name,dtype,cache_dtype", [("llama-swiglu", "f16", torch.float32),
+                                                     ("llama-relu", "q8_0", torch.float16),
+                                                     ("llama-tied-mha", "q4_0", torch.float16)])
+def test_cpu_attention_block_equals_its_ops(name, dtype, cache_dtype, tmp_path, monkeypatch):
+    """One token's attention half as one compiled call (kernels.cpu.attention_block: norm, q/k/v GEMVs,
+    one rotary call, attention, output GEMV plus residual) gives bit for bit what the block's separate
+    calls give, GQA and not, over float32 and float16 caches, and is the path a CPU decode step takes."""
+    from hybridsparse.runtime import kernels
+    if not kernels.available():
+        pytest.skip("compiled kernels not built")
+    _, model = build_case(name, tmp_path, "f16")
+    if dtype != "f16":  # the block formats through hs-quantize's own path
+        from hybridsparse.runtime.quantize import quantize_gguf
+        quantize_gguf(tmp_path / f"{name}.gguf", tmp_path / f"{name}-{dtype}.gguf", dtype, log=lambda *a: None)
+        model = load_model(GGUFFile(tmp_path / f"{name}-{dtype}.gguf"))
+    model.cpu_cache_dtype = cache_dtype
+    ids = torch.randint(0, VOCAB, (SEQ,), generator=torch.Generator().manual_seed(2))
+
+    def decode() -> torch.Tensor:
+        cache, out = model.new_cache(32), []
+        with torch.inference_mode():
+            out.append(model.forward(ids[:4], torch.arange(4), cache, 4, all_logits=True))
+            for pos in range(4, SEQ):
+                out.append(model.forward(ids[pos:pos + 1], torch.tensor([pos]), cache, pos + 1))
+        return torch.cat(out)
+
+    calls = []
+    block = kernels.cpu.attention_block
+    monkeypatch.setattr(kernels, "cpu", types.SimpleNamespace(**{
+        n: getattr(kernels.cpu, n) for n in dir(kernels.cpu) if not n.startswith("__")}))
+    monkeypatch.setattr(kernels.cpu, "attention_block", lambda *a: calls.append(1) or block(*a))
+    fused = decode()
+    assert len(calls) == (SEQ - 4) * model.config.n_layers
+    monkeypatch.setattr(kernels, "cpu_block_ok", lambda *a: False)
+    assert torch.equal(fused, decode())
+
+
 def random_prompts(seed: int, lengths) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths]

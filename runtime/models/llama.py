@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ..gguf_file import GGUFFile
+from .. import kernels
 from ..kernels import Norm
 from ..layers import FFN_VARIANTS, FFNWeights, KVCache, Rotary, Step, attend, default_scale, ffn, rms_norm, rope_qk
 from ..weights import QWeight, linear_add, linear_many
@@ -82,6 +83,15 @@ class Llama(CausalLM):
     def block(self, i: int, x: torch.Tensor, step: Step, cache: KVCache) -> torch.Tensor:
         c, L = self.config, self.layers[i]
         rope = self.rotary(x.device)
+        if x.shape[0] == 1 and L.q_bias is None and kernels.cpu_block_ok(x, (L.q, L.k, L.v, L.o), cache):
+            # one token on the CPU: the attention half as one compiled call (the same ops as below)
+            cos, sin = rope.tables(step)
+            x = kernels.cpu.attention_block(x, L.attn_norm, c.norm_eps, [L.q.data, L.k.data, L.v.data],
+                                            [int(L.q.qtype), int(L.k.qtype), int(L.v.qtype)], L.o.data,
+                                            int(L.o.qtype), c.n_heads, c.n_kv_heads, cos, sin,
+                                            c.rope_style == "neox", cache.k, cache.v, step.positions,
+                                            step.kv_len, default_scale(c.head_dim))
+            return ffn(x, L.ffn, FFN_VARIANTS[c.ffn_variant], residual=x, norm=Norm(L.ffn_norm, c.norm_eps))
         q, k, v = linear_many(x, [L.q, L.k, L.v], Norm(L.attn_norm, c.norm_eps))
         if L.q_bias is not None:
             q, k, v = q + L.q_bias, k + L.k_bias, v + L.v_bias
