@@ -65,13 +65,10 @@ class LayerPredictor:
             return QWeight(t.to(torch.float16).contiguous(), Q.F16, t.shape[1]).to(device)
         return LayerPredictor(place(self.fc1), place(self.fc2), self.threshold)
 
-    def scores(self, x: torch.Tensor) -> torch.Tensor:
-        if not isinstance(self.fc1, QWeight):
-            return F.linear(F.relu(F.linear(x, self.fc1.float())), self.fc2.float())
-        return linear(F.relu(linear(x, self.fc1)), self.fc2)
-
     def mask(self, x: torch.Tensor) -> torch.Tensor:
-        return self.scores(x) >= self.threshold
+        if not isinstance(self.fc1, QWeight):
+            return F.linear(F.relu(F.linear(x, self.fc1.float())), self.fc2.float()) >= self.threshold
+        return linear(F.relu(linear(x, self.fc1)), self.fc2) >= self.threshold
 
 
 # Host-side time per part of the hybrid FFN, summed over calls, when HS_HYBRID_TIMING=1 (tools only).
@@ -316,21 +313,12 @@ class HybridFFN:
                 self._cpu_token = self._cpu_token_fn()
             if self._cpu_token:
                 return self._cpu_token(x)
-        cold_idx = None
         with _timed("predictor"):
-            if one_cpu_token and self.mode == "predictor" and not self.n_hot:
-                # every neuron on the CPU (CPU-only): the active ids straight from the predictor's scores
-                mask = None
-                cold_idx = kernels.cpu.select_ids(self.predictor.scores(x)[0].float().contiguous(), self.cold_ids,
-                                                  self.predictor.threshold)
-            else:
-                mask = None if (self.n_cold == 0 and self._dense_batch(x)) else self.active(x)
+            mask = None if (self.n_cold == 0 and self._dense_batch(x)) else self.active(x)
         if self._one_token_handed_over(x):
             return self._decode_host_node(x, mask)
-        cold_in, pairs = None, None
-        if cold_idx is not None:
-            cold_in = self._send_to_cpu(x, None)
-        elif one_cpu_token and mask is not None:
+        cold_in, pairs, cold_idx = None, None, None
+        if one_cpu_token and mask is not None:
             # one token on the CPU: the active cold ids straight from the layer's mask, in one pass
             cold_idx = kernels.cpu.select_ids(mask[0].contiguous(), self.cold_ids)
             cold_in = self._send_to_cpu(x, None)

@@ -845,11 +845,12 @@ def use_cpu_op(t: torch.Tensor) -> bool:
 
 def cpu_block_ok(x: torch.Tensor, ws, cache) -> bool:
     """Whether one token's attention half runs as the compiled `attention_block`: x contiguous float32 on
-    the CPU, weights of types the CPU GEMV reads, a float32 or float16 cache (a list of caches: a batch)."""
+    the CPU, weights the CPU GEMV would take for it (linear_many's test), a float32 or float16 cache (a
+    list of caches: a batch)."""
     return (not x.is_cuda and x.dtype == torch.float32 and x.is_contiguous() and ops() is not None
             and not isinstance(cache, list)
-            and cache.k.dtype in (torch.float32, torch.float16) and all(w.qtype in CPU_QTYPES for w in ws)
-            and x.shape[0] < CPU_GEMM_TOKENS)
+            and cache.k.dtype in (torch.float32, torch.float16)
+            and all(w.qtype in CPU_QTYPES and x.shape[0] < cpu_gemm_tokens(w.qtype) for w in ws))
 
 
 if __name__ == "__main__":  # `python -m hybridsparse.runtime.kernels`: build now (make install)

@@ -113,8 +113,9 @@ def test_relu_oracle_computes_only_the_active_neurons(tmp_path, monkeypatch):
 def test_predictor_mode_uses_predicted_sets(tmp_path, all_cold, dtype):
     """Predictors that say 'everything' reproduce dense output; predictors that say 'nothing' leave the
     FFN out (output = attention only), so the predictor is what decides. All neurons cold (CPU-only):
-    one token's active ids come straight from the scores (select_ids with the threshold); with weights
-    the compiled ops read (F16), each layer decodes through its bound calls (HybridFFN._cpu_token_fn)."""
+    with weights the compiled ops read (F16), each layer decodes one token through its bound calls
+    (HybridFFN._cpu_token_fn: the active ids straight from the scores, select_ids with the threshold);
+    with others (F32) through the general path."""
     _, dense = build_case("llama-relu", tmp_path, dtype)
     path = dense.gguf.path
     ids = torch.arange(1, 6)
