@@ -4,6 +4,8 @@
 //   attention       : store k/v at their positions in the cache, causal (+ sliding window) softmax
 //                     attention over the first kv_len slots, grouped-query heads
 //   gated_act       : act(gate) * up, or act(gate) * act(up)
+//   attention_block : one token's attention half of a llama block (norm, q/k/v, rope, attention, o + residual)
+//   sparse_ffn_block: one token's FFN half of a CPU-only sparse layer (norm, predictor, ids, fused FFN + residual)
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -11,12 +13,25 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <tuple>
 #include <vector>
 
 #include "check.h"
 #include "cpu_dot.h"
 
 namespace hs {
+
+std::vector<at::Tensor> qmatmul_rows_cpu(const std::vector<at::Tensor>& ws, const std::vector<int64_t>& qtypes,
+                                         const at::Tensor& x, const std::vector<c10::optional<at::Tensor>>& idxs);
+at::Tensor rms_norm_cpu(const at::Tensor& x, const at::Tensor& w, double eps);
+at::Tensor qmatmul_cpu(const at::Tensor& w, int64_t qtype, const at::Tensor& x);
+at::Tensor select_ids(const at::Tensor& mask, const at::Tensor& ids, c10::optional<double> threshold);
+std::tuple<at::Tensor, at::Tensor> sparse_ffn_cpu(const at::Tensor& x, const at::Tensor& up, int64_t up_type,
+                                                  const c10::optional<at::Tensor>& gate, int64_t gate_type,
+                                                  const at::Tensor& down_t, int64_t down_type,
+                                                  const c10::optional<at::Tensor>& idx,
+                                                  const c10::optional<at::Tensor>& up_bias, int64_t act,
+                                                  bool act_on_up);
 
 void rope_cpu(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, bool neox) {
   HS_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat && x.is_contiguous(),
@@ -335,11 +350,6 @@ at::Tensor attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Ten
   return out;
 }
 
-std::vector<at::Tensor> qmatmul_rows_cpu(const std::vector<at::Tensor>& ws, const std::vector<int64_t>& qtypes,
-                                         const at::Tensor& x, const std::vector<c10::optional<at::Tensor>>& idxs);
-at::Tensor qmatmul_cpu(const at::Tensor& w, int64_t qtype, const at::Tensor& x);
-at::Tensor rms_norm_cpu(const at::Tensor& x, const at::Tensor& w, double eps);
-
 // One token's attention half of a llama-family block (no q/k/v biases) as one call:
 //   x + o . attention(rope(q), rope(k), v),  q/k/v = W_q/k/v . rms_norm(x)
 // the same five ops the Python block calls, without the Python around them (in a decode step on the GPU
@@ -364,6 +374,32 @@ at::Tensor attention_block_cpu(const at::Tensor& x, const at::Tensor& norm_w, do
   const at::Tensor a = attention_cpu(ys[0].view({1, n_heads, D}), ys[1].view({1, n_kv_heads, D}),
                                      ys[2].view({1, n_kv_heads, D}), k_cache, v_cache, positions, kv_len, 0, scale);
   return qmatmul_cpu(o, o_type, a).add_(x);
+}
+
+// One token's FFN half of a CPU-only sparse layer (a llama block's second half), as one call:
+//   x + FFN_idx(xn) (+ down bias),  xn = rms_norm(x),  idx = {i in ids : fc2 . relu(fc1 . xn) [i] >= threshold}
+// the same norm, predictor GEMVs, id selection and fused sparse FFN the hybrid runtime's bound calls
+// make (runtime/hybrid.py, HybridFFN._cpu_token_fn), without ~15 Python operations around them.
+at::Tensor sparse_ffn_block_cpu(const at::Tensor& x, const at::Tensor& norm_w, double eps, const at::Tensor& fc1,
+                                int64_t fc1_type, const at::Tensor& fc2, int64_t fc2_type, double threshold,
+                                const at::Tensor& ids, const at::Tensor& up, int64_t up_type,
+                                const c10::optional<at::Tensor>& gate, int64_t gate_type, const at::Tensor& down_t,
+                                int64_t down_type, const c10::optional<at::Tensor>& up_bias, int64_t act,
+                                bool act_on_up, const c10::optional<at::Tensor>& down_bias) {
+  HS_CHECK(x.dim() == 2 && x.size(0) == 1 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+           "sparse_ffn_block: x must be one token, contiguous float32 [1, d_model]");
+  const at::Tensor xn = rms_norm_cpu(x, norm_w, eps);
+  const at::Tensor scores = qmatmul_cpu(fc2, fc2_type, qmatmul_cpu(fc1, fc1_type, xn).relu_());
+  HS_CHECK(scores.size(1) == up.size(0), "sparse_ffn_block: the predictor gives ", scores.size(1), " scores for ",
+           up.size(0), " neurons");
+  const at::Tensor idx = select_ids(scores[0], ids, threshold);
+  at::Tensor y = idx.numel() ? std::get<0>(sparse_ffn_cpu(xn, up, up_type, gate, gate_type, down_t, down_type, idx,
+                                                          up_bias, act, act_on_up))
+                             : at::zeros_like(x);
+  HS_CHECK(y.sizes() == x.sizes(), "sparse_ffn_block: the FFN gives ", y.size(1), " values for a d_model of ",
+           x.size(1));
+  if (down_bias.has_value() && down_bias->defined()) y.add_(*down_bias);
+  return y.add_(x);
 }
 
 // act: 0 silu, 1 relu, 2 gelu (tanh approximation), 3 gelu (erf); act_on_up: dReLU-style. ATen's

@@ -40,6 +40,12 @@ at::Tensor attention_block_cpu(const at::Tensor& x, const at::Tensor& norm_w, do
                                const at::Tensor& o, int64_t o_type, int64_t n_heads, int64_t n_kv_heads,
                                const at::Tensor& cos, const at::Tensor& sin, bool neox, at::Tensor k_cache,
                                at::Tensor v_cache, const at::Tensor& positions, int64_t kv_len, double scale);
+at::Tensor sparse_ffn_block_cpu(const at::Tensor& x, const at::Tensor& norm_w, double eps, const at::Tensor& fc1,
+                                int64_t fc1_type, const at::Tensor& fc2, int64_t fc2_type, double threshold,
+                                const at::Tensor& ids, const at::Tensor& up, int64_t up_type,
+                                const c10::optional<at::Tensor>& gate, int64_t gate_type, const at::Tensor& down_t,
+                                int64_t down_type, const c10::optional<at::Tensor>& up_bias, int64_t act,
+                                bool act_on_up, const c10::optional<at::Tensor>& down_bias);
 int64_t cold_ffn_new(const at::Tensor& x, const at::Tensor& mask, const at::Tensor& ids, const at::Tensor& y,
                      const at::Tensor& up, int64_t up_type, const c10::optional<at::Tensor>& gate, int64_t gate_type,
                      const at::Tensor& down_t, int64_t down_type, const c10::optional<at::Tensor>& up_bias,
@@ -118,6 +124,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention", &hs::attention_cpu);
   m.def("attention_block", &hs::attention_block_cpu,
         "one token: x + o . attention(rope(q), rope(k), v) of rms_norm(x) (a llama block's attention half)");
+  m.def("sparse_ffn_block", &hs::sparse_ffn_block_cpu,
+        "one token: x + the sparse FFN of rms_norm(x) over the ids its predictor's scores keep (a CPU-only "
+        "sparse layer's FFN half)");
   m.def("gated_act", &hs::gated_act_cpu);
   m.def("cold_ffn_new", &hs::cold_ffn_new, "a layer's cold FFN task over pinned x / mask / y buffers (csrc/cold_ffn.cpp)");
   m.def("cold_ffn_run", &hs::cold_ffn_run, "run the task on this thread");

@@ -233,6 +233,7 @@ class HybridFFN:
         self._hot_graph = None  # None: never run; False: warmed up; then (pinned x, mask, y, graph, event, ...)
         self._task = None  # the cold FFN as a host node task (decode on CUDA), made on first use
         self._cpu_token = None  # CPU-only decode's bound calls (_cpu_token_fn), made on first use; False: none
+        self._cpu_block = None  # the same with the norm and residual, one compiled call (token_block)
         if self.n_hot:
             idx = torch.from_numpy(hot)
             gather = (lambda q: None if q is None else QWeight(q.data[idx], q.qtype, q.in_features).to(self.fast))
@@ -375,6 +376,11 @@ class HybridFFN:
         tail = (w.up_bias, kernels.ACTIVATION_IDS[self.spec.activation], self.spec.act_on_up)
         ids, d_out = self.cold_ids, d.in_features
         plus_bias = self._plus_down_bias
+        block_fn, down_bias = kernels.cpu.sparse_ffn_block, w.down_bias
+
+        def block(x: torch.Tensor, norm: kernels.Norm) -> torch.Tensor:
+            return block_fn(x, norm.weight, norm.eps, fc1, t1, fc2, t2, thr, ids, *args, *tail, down_bias)
+        self._cpu_block = block
 
         def run(x: torch.Tensor) -> torch.Tensor:
             x = x.float().contiguous()
@@ -384,6 +390,19 @@ class HybridFFN:
                 y = ffn(x, *args, idx, *tail)[0] if idx.numel() else x.new_zeros(1, d_out)
             return plus_bias(y)
         return run
+
+    def token_block(self, x: torch.Tensor, norm: kernels.Norm) -> torch.Tensor | None:
+        """x + this FFN of norm(x) as one compiled call (`kernels.cpu.sparse_ffn_block`: the norm and the
+        bound calls of _cpu_token_fn, then the residual), for one CPU-only token under an RMS norm; None
+        where that is not the case (layers.ffn then takes the general path). Not while HS_HYBRID_TIMING
+        times the predictor and the FFN apart."""
+        if TIMING is not None or not self.n_cold or kernels.cpu is None or x.shape[0] != 1 or x.is_cuda \
+                or x.dtype != torch.float32 or not x.is_contiguous() or norm.layer or norm.weight.is_cuda \
+                or norm.weight.dtype != torch.float32:
+            return None
+        if self._cpu_token is None:
+            self._cpu_token = self._cpu_token_fn()
+        return self._cpu_block(x, norm) if self._cpu_token else None
 
     def start(self, x: torch.Tensor):
         """This FFN of x as a function giving its output (layers.ffn_start): one token on CUDA with a

@@ -92,6 +92,11 @@ def ffn(x: torch.Tensor, w: FFNWeights, spec: FFNSpec, residual: torch.Tensor | 
     if residual is not None:
         if isinstance(w, FFNWeights) and not w.down_transposed and w.down_bias is None:
             return linear_add(_ffn_hidden(x, w, spec, norm), w.down, residual)
+        token_block = getattr(w, "token_block", None)  # the hybrid runtime's CPU-only token: one call
+        if token_block is not None and residual is x and norm is not None:
+            y = token_block(x, norm)
+            if y is not None:
+                return y
         return residual + ffn(x, w, spec, norm=norm)
     if not isinstance(w, FFNWeights):  # the hybrid runtime's split FFN (runtime/hybrid.py)
         return w(x if norm is None else norm(x))

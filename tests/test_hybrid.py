@@ -139,6 +139,42 @@ def test_predictor_mode_uses_predicted_sets(tmp_path, all_cold, dtype):
         assert bound == [all_cold and dtype == "f16" and kernels.available()] * c.n_layers
 
 
+@pytest.mark.skipif(not kernels.available(), reason="compiled CPU kernels not built")
+@pytest.mark.parametrize("name,dtype", [("llama-relu", "f16"), ("llama-swiglu", "q8_0"), ("llama-drelu", "f16")])
+def test_cpu_ffn_block_equals_its_calls(name, dtype, tmp_path, monkeypatch):
+    """CPU-only sparse decode: a token's FFN half as one compiled call (HybridFFN.token_block,
+    kernels.cpu.sparse_ffn_block: norm, predictor, ids from its scores, fused FFN, residual) gives the
+    same logits, bit for bit, as the same ops called one by one; and that call is what decoding takes."""
+    from hybridsparse.predictor_training.train import LayerResult, write_predictors
+    _, dense = build_case(name, tmp_path, "f16")
+    if dtype != "f16":
+        from hybridsparse.runtime.quantize import quantize_gguf
+        quantize_gguf(tmp_path / f"{name}.gguf", tmp_path / f"{name}-{dtype}.gguf", dtype, log=lambda *a: None)
+        dense = load_model(GGUFFile(tmp_path / f"{name}-{dtype}.gguf"))
+    path, c = dense.gguf.path, dense.config
+    monkeypatch.setenv("HS_FFN_CHUNK", "0")  # fixed shares: the same float sums in both runs
+    g = torch.Generator().manual_seed(5)
+    results = [LayerResult(i, 8, 0.5, 1.0, 1.0, 0.5, 0.5, 0, torch.randn(8, c.d_model, generator=g),
+                           torch.randn(c.n_ff, 8, generator=g)) for i in range(c.n_layers)]
+    pred = write_predictors(tmp_path / "p.gguf", results, {})
+    ids = torch.arange(1, 6)
+    taken = []
+    real = HybridFFN.token_block
+    monkeypatch.setattr(HybridFFN, "token_block", lambda self, x, norm: (lambda y: (
+        taken.append(y is not None) if x.shape[0] == 1 else None, y)[1])(real(self, x, norm)))
+    runs = {}
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(HybridFFN, "token_block", lambda self, x, norm: None)
+        model = load_model(GGUFFile(path))
+        setup_hybrid(model, path, HybridOptions(predictors=str(pred), vram_budget=0), log_line=lambda *_: None)
+        runs[fused] = greedy_run(model, ids)
+    assert taken and all(taken) and len(taken) == STEPS * c.n_layers
+    assert torch.equal(runs[True][0], runs[False][0]) and runs[True][1] == runs[False][1]
+    dense_logits, _ = greedy_run(dense, ids)
+    assert not torch.equal(runs[True][0][-1], dense_logits[-1])  # the predictor left neurons out
+
+
 def test_a_prompt_computes_the_fast_devices_rows_dense(tmp_path, monkeypatch):
     """More tokens than the GEMV kernels take (a prompt): the fast executor's rows are computed dense and a
     layer with no cold part runs no predictor, so even predictors that say 'nothing' leave a prompt over

@@ -5,8 +5,9 @@ of each call the llama block makes (q/k/v GEMVs with the norm, rotary, attention
 the residual, the FFN with its norm, predictor and the sparse FFN) summed per token, with the GiB/s of
 the dense GEMVs on the bytes they read. The calls are timed by wrapping the names the model module
 calls; the parts and the step are timed in separate runs (so the wrappers' own cost shows as the
-difference), with the attention half as its separate calls (the default step makes it one compiled call,
-attention_block, also timed as a whole). Then the step with the attention op on one thread (what it ran
+difference), with each half of the block as its separate calls (the default step makes each one compiled
+call, attention_block and sparse_ffn_block, also timed as a whole; the FFN's parts need HS_HYBRID_TIMING,
+which this tool sets for that run only). Then the step with the attention op on one thread (what it ran
 on below 2^20 multiply-adds until session 26), timed likewise, next to the default. On the GPU machine: the 16-thread Xeon's S5 step.
   HS_THREADS=16 python tests/gpu/cpu_step_parts.py MODEL [N]"""
 
@@ -83,22 +84,25 @@ def run(tokens: int) -> float:
 
 print(f"{path}: {len(model.layers)} layers, {torch.get_num_threads()} threads, CPU path {kernels.cpu.cpu_path()}")
 plain = run(n)
-# the attention half as its separate calls (the step's default is one compiled call, attention_block)
-block_ok = kernels.cpu_block_ok
+# each half as its separate calls (the step's default is one compiled call each: attention_block, sparse_ffn_block)
+block_ok, token_block = kernels.cpu_block_ok, hybrid.HybridFFN.token_block
 kernels.cpu_block_ok = lambda *a: False
+hybrid.HybridFFN.token_block = lambda *a: None
 apart = run(n)
 for name in PARTS:
     setattr(llama, name, timed(name, originals[name]))
+timing, hybrid.TIMING = hybrid.TIMING, {}  # the FFN's predictor and sparse FFN apart
 parted = run(n)
-parts, ffn_parts = dict(spent), dict(hybrid.TIMING or {})
+parts, ffn_parts = dict(spent), dict(hybrid.TIMING)
+hybrid.TIMING = timing
 llama.attend = timed("attend", one_thread(originals["attend"]))
 serial = run(n)
 serial_attend = spent["attend"] / n
 for name, f in originals.items():
     setattr(llama, name, f)
-kernels.cpu_block_ok = block_ok
+kernels.cpu_block_ok, hybrid.HybridFFN.token_block = block_ok, token_block
 plain2 = run(n)
-print(f"step {plain * 1e3:.2f} / {plain2 * 1e3:.2f} ms per token (plain, twice), {apart * 1e3:.2f} with the attention"
+print(f"step {plain * 1e3:.2f} / {plain2 * 1e3:.2f} ms per token (plain, twice), {apart * 1e3:.2f} with each"
       f" half's calls apart, {parted * 1e3:.2f} so and timed (prompt {prompt}, {n} tokens)")
 print(f"attention op on one thread: step {serial * 1e3:.2f} ms, attention {serial_attend * 1e3:.2f} ms "
       f"(on {torch.get_num_threads()}: {parts['attend'] / n * 1e3:.2f})")

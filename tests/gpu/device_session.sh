@@ -269,7 +269,7 @@ write_s5_model
 HS_HYBRID_TIMING=1 HS_PROFILE_MODES=events,layers \
   HS_THREADS=${HS_POLL_T:-16} timeout 200 python3 tests/gpu/profile_hybrid.py $M5 0 predictor 32 2>&1 \
   | grep -v "^hybrid:\|placing layers" | tee "$OUT/profile_s5.txt" | tail -50
-HS_HYBRID_TIMING=1 HS_THREADS=${HS_POLL_T:-16} timeout 200 python3 tests/gpu/cpu_step_parts.py $M5 32 2>&1 \
+HS_THREADS=${HS_POLL_T:-16} timeout 200 python3 tests/gpu/cpu_step_parts.py $M5 32 2>&1 \
   | tr '\r' '\n' | grep -v "placing layers\|^ *$" | tee "$OUT/s5-parts.txt" | tail -14
 fi
 if [[ $STAGES == *,streams,* ]]; then  # a dense GEMV's rows as 1/2/4 interleaved streams a thread (HS_GEMV_STREAMS)
