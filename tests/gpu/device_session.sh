@@ -29,6 +29,7 @@
 #   then their dense GEMV from memory prefetching ahead or not (HS_Q4_PREFETCH)
 #   s5ab: S5's model CPU-only sparse (hs-run --vram-budget 0) with HS_Q4_WIDE=1/0 and HS_ACT_PLANES=2/1, alternating,
 #   at 16 threads and HS_S5_T2=1 also at 2
+#   s5run: S5's model through hs-run, CPU-only sparse (--vram-budget 0) vs dense (-ngl 0), 16 threads, alternating
 #   pollab: S5's CPU-only sparse decode (16 threads, HS_POLL_T) through hs-run and through hs-bench's child process
 #   alone and beside another process reading NVML every HS_POLL_PERIODS seconds (the parent's peak-memory poll),
 #   HS_POLL_ROUNDS times
@@ -264,13 +265,23 @@ HS_HYBRID_TIMING=1 HS_PROFILE_MODES=${HS_S3_MODES:-events,layers} \
   timeout ${HS_PROF_TIMEOUT:-300} python3 tests/gpu/profile_hybrid.py $M3 8 predictor 16 2>&1 \
   | grep -v "^hybrid:\|placing layers" | tee "$OUT/profile_s3.txt" | tail -75
 fi
-if [[ $STAGES == *,s5prof,* ]]; then  # S5's CPU-only sparse step at 16 threads: time per layer and part, then per call of the block (cpu_step_parts.py)
+if [[ $STAGES == *,s5prof,* ]]; then  # S5's CPU-only sparse step at 16 threads: time per layer and part, then per call of the block (cpu_step_parts.py; HS_S5_PROFILE=0: that alone)
 write_s5_model
-HS_HYBRID_TIMING=1 HS_PROFILE_MODES=events,layers \
+[ "${HS_S5_PROFILE:-1}" = 0 ] || HS_HYBRID_TIMING=1 HS_PROFILE_MODES=events,layers \
   HS_THREADS=${HS_POLL_T:-16} timeout 200 python3 tests/gpu/profile_hybrid.py $M5 0 predictor 32 2>&1 \
   | grep -v "^hybrid:\|placing layers" | tee "$OUT/profile_s5.txt" | tail -50
 HS_THREADS=${HS_POLL_T:-16} timeout 200 python3 tests/gpu/cpu_step_parts.py $M5 32 2>&1 \
   | tr '\r' '\n' | grep -v "placing layers\|^ *$" | tee "$OUT/s5-parts.txt" | tail -14
+fi
+if [[ $STAGES == *,s5run,* ]]; then  # S5's model through hs-run, CPU-only sparse vs dense (-ngl 0), alternating
+write_s5_model
+for r in ${HS_S5_ROUNDS:-1 2}; do
+  for eng in "--vram-budget 0" "-ngl 0"; do
+    printf "%s: " "$eng" | tee -a "$OUT/s5-hsrun.txt"
+    hs-run -m $M5 $eng -t ${HS_POLL_T:-16} -n 128 -p "$(printf 'hello world %.0s' $(seq 32))" --temp 0 2>&1 >/dev/null \
+      | grep "eval time" | tee -a "$OUT/s5-hsrun.txt"
+  done
+done
 fi
 if [[ $STAGES == *,streams,* ]]; then  # a dense GEMV's rows as 1/2/4 interleaved streams a thread (HS_GEMV_STREAMS)
 python3 tests/gpu/gemv_streams_bench.py 16 1 2>&1 | tee "$OUT/gemv-streams.txt"
