@@ -4,7 +4,8 @@
 //   attention       : store k/v at their positions in the cache, causal (+ sliding window) softmax
 //                     attention over the first kv_len slots, grouped-query heads
 //   gated_act       : act(gate) * up, or act(gate) * act(up)
-//   attention_block : one token's attention half of a llama block (norm, q/k/v, rope, attention, o + residual)
+//   attention_block : one token's attention half of a llama / Gemma 3 block (norm, q/k/v, rope, attention, o + residual)
+//   ffn_block       : one token's dense gated FFN half (norm, gate/up, activation, down + residual)
 //   sparse_ffn_block: one token's FFN half of a CPU-only sparse layer (norm, predictor, ids, fused FFN + residual)
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -25,6 +26,11 @@ std::vector<at::Tensor> qmatmul_rows_cpu(const std::vector<at::Tensor>& ws, cons
                                          const at::Tensor& x, const std::vector<c10::optional<at::Tensor>>& idxs);
 at::Tensor rms_norm_cpu(const at::Tensor& x, const at::Tensor& w, double eps);
 at::Tensor qmatmul_cpu(const at::Tensor& w, int64_t qtype, const at::Tensor& x);
+std::vector<at::Tensor> qmatmul_multi_cpu(const std::vector<at::Tensor>& ws, const std::vector<int64_t>& qtypes,
+                                          const at::Tensor& x);
+at::Tensor sparse_axpy_cpu(const at::Tensor& w, int64_t qtype, const at::Tensor& h,
+                           const c10::optional<at::Tensor>& idx);
+at::Tensor gated_act_cpu(const at::Tensor& gate, const at::Tensor& up, int64_t act, bool act_on_up);
 at::Tensor select_ids(const at::Tensor& mask, const at::Tensor& ids, c10::optional<double> threshold);
 std::tuple<at::Tensor, at::Tensor> sparse_ffn_cpu(const at::Tensor& x, const at::Tensor& up, int64_t up_type,
                                                   const c10::optional<at::Tensor>& gate, int64_t gate_type,
@@ -354,26 +360,61 @@ at::Tensor attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Ten
 //   x + o . attention(rope(q), rope(k), v),  q/k/v = W_q/k/v . rms_norm(x)
 // the same five ops the Python block calls, without the Python around them (in a decode step on the GPU
 // machine's Xeon ~2 us a Python operation, ~40 of them for this half: more than its small ops take).
+// Gemma 3's form too: q and k normed per head (q_norm, k_norm) before the rotation, a sliding window
+// (window > 0), the output normed (post_norm) before the residual add.
 at::Tensor attention_block_cpu(const at::Tensor& x, const at::Tensor& norm_w, double eps,
                                const std::vector<at::Tensor>& qkv, const std::vector<int64_t>& qkv_types,
                                const at::Tensor& o, int64_t o_type, int64_t n_heads, int64_t n_kv_heads,
                                const at::Tensor& cos, const at::Tensor& sin, bool neox, at::Tensor k_cache,
-                               at::Tensor v_cache, const at::Tensor& positions, int64_t kv_len, double scale) {
+                               at::Tensor v_cache, const at::Tensor& positions, int64_t kv_len, double scale,
+                               int64_t window, const c10::optional<at::Tensor>& q_norm,
+                               const c10::optional<at::Tensor>& k_norm, const c10::optional<at::Tensor>& post_norm) {
   HS_CHECK(x.dim() == 2 && x.size(0) == 1 && x.scalar_type() == at::kFloat && x.is_contiguous(),
            "attention_block: x must be one token, contiguous float32 [1, d_model]");
   HS_CHECK(qkv.size() == 3 && qkv_types.size() == 3, "attention_block: q, k and v weights and their types expected");
   HS_CHECK(n_heads > 0 && n_kv_heads > 0 && qkv[0].size(0) % n_heads == 0, "attention_block: head counts");
+  const bool qk_norm = q_norm.has_value() && q_norm->defined();
+  HS_CHECK(qk_norm == (k_norm.has_value() && k_norm->defined()), "attention_block: q_norm and k_norm go together");
   const int64_t D = qkv[0].size(0) / n_heads;
   HS_CHECK(qkv[1].size(0) == n_kv_heads * D && qkv[2].size(0) == n_kv_heads * D,
            "attention_block: k and v must have n_kv_heads * head_dim rows");
   const at::Tensor xn = rms_norm_cpu(x, norm_w, eps);
   const auto ys = qmatmul_rows_cpu(qkv, qkv_types, xn, std::vector<c10::optional<at::Tensor>>(3));
-  // one token: q, k, v side by side in one buffer (qmatmul_rows_cpu), so q and k rotate in one call
-  const int64_t total = (n_heads + 2 * n_kv_heads) * D;
-  rope_cpu(ys[0].as_strided({1, n_heads + n_kv_heads, D}, {total, D, 1}), cos, sin, neox);
-  const at::Tensor a = attention_cpu(ys[0].view({1, n_heads, D}), ys[1].view({1, n_kv_heads, D}),
-                                     ys[2].view({1, n_kv_heads, D}), k_cache, v_cache, positions, kv_len, 0, scale);
-  return qmatmul_cpu(o, o_type, a).add_(x);
+  at::Tensor q = ys[0].view({1, n_heads, D}), k = ys[1].view({1, n_kv_heads, D});
+  if (qk_norm) {  // normed into tensors of their own, rotated one after the other
+    q = rms_norm_cpu(q, *q_norm, eps);
+    k = rms_norm_cpu(k, *k_norm, eps);
+    rope_cpu(q, cos, sin, neox);
+    rope_cpu(k, cos, sin, neox);
+  } else {  // one token: q, k, v side by side in one buffer (qmatmul_rows_cpu), so q and k rotate in one call
+    const int64_t total = (n_heads + 2 * n_kv_heads) * D;
+    rope_cpu(ys[0].as_strided({1, n_heads + n_kv_heads, D}, {total, D, 1}), cos, sin, neox);
+  }
+  const at::Tensor a = attention_cpu(q, k, ys[2].view({1, n_kv_heads, D}), k_cache, v_cache, positions, kv_len,
+                                     window, scale);
+  at::Tensor y = qmatmul_cpu(o, o_type, a);
+  if (post_norm.has_value() && post_norm->defined()) y = rms_norm_cpu(y, *post_norm, eps);
+  return y.add_(x);
+}
+
+// One token's dense gated FFN half (llama, Gemma 3) as one call:
+//   x + [post_norm](down . act(gate . xn) * up . xn),  xn = rms_norm(x)
+// the down projection over ffn_down rows (a GEMV) or, down_transposed, over ffn_down_t rows (the axpy
+// the Python path's qmatmul_t makes); the same calls as the Python FFN, in its order.
+at::Tensor ffn_block_cpu(const at::Tensor& x, const at::Tensor& norm_w, double eps, const std::vector<at::Tensor>& gate_up,
+                         const std::vector<int64_t>& gate_up_types, const at::Tensor& down, int64_t down_type,
+                         bool down_transposed, int64_t act, bool act_on_up, const c10::optional<at::Tensor>& post_norm) {
+  HS_CHECK(x.dim() == 2 && x.size(0) == 1 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+           "ffn_block: x must be one token, contiguous float32 [1, d_model]");
+  HS_CHECK(gate_up.size() == 2 && gate_up_types.size() == 2, "ffn_block: gate and up weights and their types expected");
+  const at::Tensor xn = rms_norm_cpu(x, norm_w, eps);
+  const auto gu = qmatmul_multi_cpu(gate_up, gate_up_types, xn);
+  const at::Tensor h = gated_act_cpu(gu[0], gu[1], act, act_on_up);
+  at::Tensor y = down_transposed ? sparse_axpy_cpu(down, down_type, h, c10::nullopt) : qmatmul_cpu(down, down_type, h);
+  HS_CHECK(y.sizes() == x.sizes(), "ffn_block: the down projection gives ", y.size(1), " values for a d_model of ",
+           x.size(1));
+  if (post_norm.has_value() && post_norm->defined()) y = rms_norm_cpu(y, *post_norm, eps);
+  return y.add_(x);
 }
 
 // One token's FFN half of a CPU-only sparse layer (a llama block's second half), as one call:

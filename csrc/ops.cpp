@@ -39,7 +39,12 @@ at::Tensor attention_block_cpu(const at::Tensor& x, const at::Tensor& norm_w, do
                                const std::vector<at::Tensor>& qkv, const std::vector<int64_t>& qkv_types,
                                const at::Tensor& o, int64_t o_type, int64_t n_heads, int64_t n_kv_heads,
                                const at::Tensor& cos, const at::Tensor& sin, bool neox, at::Tensor k_cache,
-                               at::Tensor v_cache, const at::Tensor& positions, int64_t kv_len, double scale);
+                               at::Tensor v_cache, const at::Tensor& positions, int64_t kv_len, double scale,
+                               int64_t window, const c10::optional<at::Tensor>& q_norm,
+                               const c10::optional<at::Tensor>& k_norm, const c10::optional<at::Tensor>& post_norm);
+at::Tensor ffn_block_cpu(const at::Tensor& x, const at::Tensor& norm_w, double eps, const std::vector<at::Tensor>& gate_up,
+                         const std::vector<int64_t>& gate_up_types, const at::Tensor& down, int64_t down_type,
+                         bool down_transposed, int64_t act, bool act_on_up, const c10::optional<at::Tensor>& post_norm);
 at::Tensor sparse_ffn_block_cpu(const at::Tensor& x, const at::Tensor& norm_w, double eps, const at::Tensor& fc1,
                                 int64_t fc1_type, const at::Tensor& fc2, int64_t fc2_type, double threshold,
                                 const at::Tensor& ids, const at::Tensor& up, int64_t up_type,
@@ -123,7 +128,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_", &hs::rope_cpu);
   m.def("attention", &hs::attention_cpu);
   m.def("attention_block", &hs::attention_block_cpu,
-        "one token: x + o . attention(rope(q), rope(k), v) of rms_norm(x) (a llama block's attention half)");
+        "one token: x + o . attention(rope(q), rope(k), v) of rms_norm(x) (a llama block's attention half; Gemma 3's "
+        "with q/k norms, a window and a post norm)",
+        py::arg("x"), py::arg("norm_w"), py::arg("eps"), py::arg("qkv"), py::arg("qkv_types"), py::arg("o"),
+        py::arg("o_type"), py::arg("n_heads"), py::arg("n_kv_heads"), py::arg("cos"), py::arg("sin"), py::arg("neox"),
+        py::arg("k_cache"), py::arg("v_cache"), py::arg("positions"), py::arg("kv_len"), py::arg("scale"),
+        py::arg("window") = 0, py::arg("q_norm") = py::none(), py::arg("k_norm") = py::none(),
+        py::arg("post_norm") = py::none());
+  m.def("ffn_block", &hs::ffn_block_cpu,
+        "one token: x + [post_norm](down . act(gate . xn) * up . xn), xn = rms_norm(x) (a dense gated FFN half)",
+        py::arg("x"), py::arg("norm_w"), py::arg("eps"), py::arg("gate_up"), py::arg("gate_up_types"), py::arg("down"),
+        py::arg("down_type"), py::arg("down_transposed"), py::arg("act"), py::arg("act_on_up"),
+        py::arg("post_norm") = py::none());
   m.def("sparse_ffn_block", &hs::sparse_ffn_block_cpu,
         "one token: x + the sparse FFN of rms_norm(x) over the ids its predictor's scores keep (a CPU-only "
         "sparse layer's FFN half)");

@@ -283,12 +283,13 @@ def _metadata_fn(cfg, arch: str, extra: dict):
 def write_gguf(path: str | os.PathLike, cfg, tensors: Iterable[tuple[str, torch.Tensor]],
                dtype: str = "f32", extra_metadata: dict | None = None, powerinfer: bool = False) -> Path:
     """Write in-memory tensors (a state dict: tests, synthetic models) as GGUF, atomically. `dtype`
-    f32/f16 for the 2-D weights; 1-D tensors stay F32."""
+    f32/f16 for the 2-D weights; 1-D tensors stay F32. `powerinfer`: PowerInfer's layout (PWRI magic,
+    ffn_down_t)."""
     from .gguf_writer import PlannedTensor, write_gguf_stream
     arch, _ = _rules(cfg)
     weight_type = {"f32": Q.F32, "f16": Q.F16}[dtype]
     plan = []
-    for name, t in gguf_tensors(cfg, tensors, powerinfer=False):
+    for name, t in gguf_tensors(cfg, tensors, powerinfer=powerinfer):
         arr = t.detach().float().cpu().numpy()
         qt = Q.F32 if arr.ndim == 1 else weight_type
         plan.append(PlannedTensor(name, arr.shape, qt, (lambda a=arr, q=qt: as_written(a, q))))

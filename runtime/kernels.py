@@ -843,13 +843,12 @@ def use_cpu_op(t: torch.Tensor) -> bool:
     return not t.is_cuda and ops() is not None
 
 
-def cpu_block_ok(x: torch.Tensor, ws, cache) -> bool:
-    """Whether one token's attention half runs as the compiled `attention_block`: x contiguous float32 on
-    the CPU, weights the CPU GEMV would take for it (linear_many's test), a float32 or float16 cache (a
-    list of caches: a batch)."""
+def cpu_block_ok(x: torch.Tensor, ws, cache=None) -> bool:
+    """Whether one token's attention half runs as the compiled `attention_block` (or, without a cache,
+    its FFN half as `ffn_block`): x contiguous float32 on the CPU, weights the CPU GEMV would take for
+    it (linear_many's test), a float32 or float16 cache (a list of caches: a batch)."""
     return (not x.is_cuda and x.dtype == torch.float32 and x.is_contiguous() and ops() is not None
-            and not isinstance(cache, list)
-            and cache.k.dtype in (torch.float32, torch.float16)
+            and (cache is None or (not isinstance(cache, list) and cache.k.dtype in (torch.float32, torch.float16)))
             and all(w.qtype in CPU_QTYPES and x.shape[0] < cpu_gemm_tokens(w.qtype) for w in ws))
 
 

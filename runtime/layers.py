@@ -90,13 +90,12 @@ def ffn(x: torch.Tensor, w: FFNWeights, spec: FFNSpec, residual: torch.Tensor | 
     `residual` where given: added by the down projection's GEMV where it can (kernels.matmul_add: one
     kernel, not two, in a CUDA decode step), else afterwards."""
     if residual is not None:
-        if isinstance(w, FFNWeights) and not w.down_transposed and w.down_bias is None:
-            return linear_add(_ffn_hidden(x, w, spec, norm), w.down, residual)
-        token_block = getattr(w, "token_block", None)  # the hybrid runtime's CPU-only token: one call
-        if token_block is not None and residual is x and norm is not None:
-            y = token_block(x, norm)
+        if residual is x and norm is not None:
+            y = ffn_block(x, w, spec, norm)  # one token on the CPU: one compiled call
             if y is not None:
                 return y
+        if isinstance(w, FFNWeights) and not w.down_transposed and w.down_bias is None:
+            return linear_add(_ffn_hidden(x, w, spec, norm), w.down, residual)
         return residual + ffn(x, w, spec, norm=norm)
     if not isinstance(w, FFNWeights):  # the hybrid runtime's split FFN (runtime/hybrid.py)
         return w(x if norm is None else norm(x))
@@ -105,6 +104,24 @@ def ffn(x: torch.Tensor, w: FFNWeights, spec: FFNSpec, residual: torch.Tensor | 
         y = linear_t(h, w.down)
         return y + w.down_bias if w.down_bias is not None else y
     return linear(h, w.down, w.down_bias)
+
+
+def ffn_block(x: torch.Tensor, w: FFNWeights, spec: FFNSpec, norm: kernels.Norm,
+              post_norm: torch.Tensor | None = None) -> torch.Tensor | None:
+    """x + [rms_norm(., post_norm)](FFN of norm(x)) for one token on the CPU as one compiled call
+    (`kernels.cpu.ffn_block`: the norm, gate/up GEMV, activation and down projection the calls below make,
+    in their order; a hybrid layer's `token_block` for its CPU-only form); None where neither applies."""
+    if not isinstance(w, FFNWeights):
+        token_block = getattr(w, "token_block", None)  # the hybrid runtime's split FFN
+        return token_block(x, norm) if token_block is not None and post_norm is None else None
+    if not (x.shape[0] == 1 and spec.gated and FFN_PROBE is None and w.up_bias is None and w.down_bias is None
+            and not norm.layer and norm.weight.dtype == torch.float32 and not norm.weight.is_cuda
+            and kernels.cpu_block_ok(x, (w.gate, w.up))
+            and (w.down.qtype in kernels.CPU_AXPY_QTYPES if w.down_transposed else kernels.cpu_block_ok(x, (w.down,)))):
+        return None
+    return kernels.cpu.ffn_block(x, norm.weight, norm.eps, [w.gate.data, w.up.data], [int(w.gate.qtype), int(w.up.qtype)],
+                                 w.down.data, int(w.down.qtype), w.down_transposed,
+                                 kernels.ACTIVATION_IDS[spec.activation], spec.act_on_up, post_norm)
 
 
 def _ffn_hidden(x: torch.Tensor, w: FFNWeights, spec: FFNSpec, norm: kernels.Norm | None = None) -> torch.Tensor:

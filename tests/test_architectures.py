@@ -106,21 +106,29 @@ def test_logits_match_transformers(name, tmp_path):
     assert isinstance(cache[0], KVCache) and c.n_layers == len(cache)
 
 
-@pytest.mark.parametrize("name,dtype,cache_dtype", [("llama-swiglu", "f16", torch.float32),
-                                                     ("llama-relu", "q8_0", torch.float16),
-                                                     ("llama-tied-mha", "q4_0", torch.float16)])
-def test_cpu_attention_block_equals_its_ops(name, dtype, cache_dtype, tmp_path, monkeypatch):
+@pytest.mark.parametrize("name,dtype,cache_dtype,layout", [("llama-swiglu", "f16", torch.float32, "llama.cpp"),
+                                                            ("llama-relu", "q8_0", torch.float16, "powerinfer"),
+                                                            ("llama-tied-mha", "q4_0", torch.float16, "llama.cpp"),
+                                                            ("gemma3", "f16", torch.float32, "llama.cpp"),
+                                                            ("gemma3", "q8_0", torch.float16, "llama.cpp")])
+def test_cpu_blocks_equal_their_ops(name, dtype, cache_dtype, layout, tmp_path, monkeypatch):
     """One token's attention half as one compiled call (kernels.cpu.attention_block: norm, q/k/v GEMVs,
-    one rotary call, attention, output GEMV plus residual) gives bit for bit what the block's separate
-    calls give, GQA and not, over float32 and float16 caches, and is the path a CPU decode step takes."""
+    rotary, attention, output GEMV plus residual; Gemma 3's q/k norms, window and post norm too) and its
+    FFN half as another (ffn_block: norm, gate/up GEMV, activation, down projection over ffn_down or, in
+    PowerInfer's layout, ffn_down_t rows, post norm, residual) give bit for bit what the block's separate
+    calls give, GQA and not, over float32 and float16 caches, and are the path a CPU decode step takes."""
     from hybridsparse.runtime import kernels
     if not kernels.available():
         pytest.skip("compiled kernels not built")
-    _, model = build_case(name, tmp_path, "f16")
+    ref, model = build_case(name, tmp_path, "f16")
+    if layout == "powerinfer":
+        write_gguf(tmp_path / f"{name}.gguf", ref.config, ref.state_dict().items(), dtype="f16",
+                   extra_metadata=CASES[name][1], powerinfer=True)
     if dtype != "f16":  # the block formats through hs-quantize's own path
         from hybridsparse.runtime.quantize import quantize_gguf
         quantize_gguf(tmp_path / f"{name}.gguf", tmp_path / f"{name}-{dtype}.gguf", dtype, log=lambda *a: None)
-        model = load_model(GGUFFile(tmp_path / f"{name}-{dtype}.gguf"))
+    model = load_model(GGUFFile(tmp_path / (f"{name}.gguf" if dtype == "f16" else f"{name}-{dtype}.gguf")))
+    assert all(L.ffn.down_transposed == (layout == "powerinfer") for L in model.layers)
     model.cpu_cache_dtype = cache_dtype
     ids = torch.randint(0, VOCAB, (SEQ,), generator=torch.Generator().manual_seed(2))
 
@@ -133,12 +141,13 @@ def test_cpu_attention_block_equals_its_ops(name, dtype, cache_dtype, tmp_path, 
         return torch.cat(out)
 
     calls = []
-    block = kernels.cpu.attention_block
+    blocks = {n: getattr(kernels.cpu, n) for n in ("attention_block", "ffn_block")}
     monkeypatch.setattr(kernels, "cpu", types.SimpleNamespace(**{
         n: getattr(kernels.cpu, n) for n in dir(kernels.cpu) if not n.startswith("__")}))
-    monkeypatch.setattr(kernels.cpu, "attention_block", lambda *a: calls.append(1) or block(*a))
+    for n, f in blocks.items():
+        monkeypatch.setattr(kernels.cpu, n, lambda *a, n=n, f=f, **k: calls.append(n) or f(*a, **k))
     fused = decode()
-    assert len(calls) == (SEQ - 4) * model.config.n_layers
+    assert sorted(calls) == sorted(list(blocks) * ((SEQ - 4) * model.config.n_layers))
     monkeypatch.setattr(kernels, "cpu_block_ok", lambda *a: False)
     assert torch.equal(fused, decode())
 
