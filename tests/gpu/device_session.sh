@@ -33,10 +33,16 @@
 #   pollab: S5's CPU-only sparse decode (16 threads, HS_POLL_T) through hs-run and through hs-bench's child process
 #   alone and beside another process reading NVML every HS_POLL_PERIODS seconds (the parent's peak-memory poll),
 #   HS_POLL_ROUNDS times
+# The GPU machine cannot download: the wheels it lacks (gguf, pulp) travel in .whl/ (git-ignored), which the
+# device tool's call must carry (carry: [".whl"]); without them nothing below imports.
 set -uo pipefail
 OUT=${OUT:-gpu-results}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
+if [ ! -d .whl ] && ! python3 -c "import gguf, pulp" 2>/dev/null; then
+  echo "device_session.sh: .whl/ (the gguf and pulp wheels) did not come along: carry it" >&2
+  exit 2
+fi
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site
