@@ -106,26 +106,25 @@ class Gemma3(CausalLM):
         rope = self.rotary(x.device)[1 if sliding else 0]
         spec, ffn_norm = FFN_VARIANTS[c.ffn_variant], Norm(L.ffn_norm, c.norm_eps)
         if x.shape[0] == 1 and kernels.cpu_block_ok(x, (L.q, L.k, L.v, L.o), cache):
-            # one token on the CPU: each half as one compiled call (the same ops as below)
+            # one token on the CPU: the attention half as one compiled call (the same ops as below)
             cos, sin = rope.tables(step)
             x = kernels.cpu.attention_block(x, L.attn_norm, c.norm_eps, [L.q.data, L.k.data, L.v.data],
                                             [int(L.q.qtype), int(L.k.qtype), int(L.v.qtype)], L.o.data,
                                             int(L.o.qtype), c.n_heads, c.n_kv_heads, cos, sin, rope.style == "neox",
                                             cache.k, cache.v, step.positions, step.kv_len, c.attn_scale,
                                             c.sliding_window if sliding else 0, L.q_norm, L.k_norm, L.post_attn_norm)
-            y = ffn_block(x, L.ffn, spec, ffn_norm, L.post_ffn_norm)
-            if y is not None:
-                return y
-            return x + rms_norm(ffn(x, L.ffn, spec, norm=ffn_norm), L.post_ffn_norm, c.norm_eps)
-        q, k, v = linear_many(x, [L.q, L.k, L.v], Norm(L.attn_norm, c.norm_eps))
-        q = rms_norm(q.reshape(-1, c.n_heads, c.head_dim), L.q_norm, c.norm_eps)
-        k = rms_norm(k.reshape(-1, c.n_kv_heads, c.head_dim), L.k_norm, c.norm_eps)
-        v = v.reshape(-1, c.n_kv_heads, c.head_dim)
-        q, k = rope.apply(q, step), rope.apply(k, step)
-        a = attend(q, k, v, cache, step, c.sliding_window if sliding else None, c.attn_scale)
-        x = x + rms_norm(linear(a, L.o), L.post_attn_norm, c.norm_eps)
-        h = ffn(x, L.ffn, spec, norm=ffn_norm)
-        return x + rms_norm(h, L.post_ffn_norm, c.norm_eps)
+        else:
+            q, k, v = linear_many(x, [L.q, L.k, L.v], Norm(L.attn_norm, c.norm_eps))
+            q = rms_norm(q.reshape(-1, c.n_heads, c.head_dim), L.q_norm, c.norm_eps)
+            k = rms_norm(k.reshape(-1, c.n_kv_heads, c.head_dim), L.k_norm, c.norm_eps)
+            v = v.reshape(-1, c.n_kv_heads, c.head_dim)
+            q, k = rope.apply(q, step), rope.apply(k, step)
+            a = attend(q, k, v, cache, step, c.sliding_window if sliding else None, c.attn_scale)
+            x = x + rms_norm(linear(a, L.o), L.post_attn_norm, c.norm_eps)
+        y = ffn_block(x, L.ffn, spec, ffn_norm, L.post_ffn_norm)  # one token on the CPU: one compiled call
+        if y is not None:
+            return y
+        return x + rms_norm(ffn(x, L.ffn, spec, norm=ffn_norm), L.post_ffn_norm, c.norm_eps)
 
     def final_norm(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.head.weight, self.config.norm_eps)
