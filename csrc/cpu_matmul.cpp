@@ -187,18 +187,23 @@ inline void prefetch_bytes(const char* p, int64_t n, int mode) {
     for (int64_t off = 0; off < n; off += 64) __builtin_prefetch(p + off, 0, 3);
 }
 
-// A switch for how many rows a thread computes side by side: 1, 2 or 4 (default 4; any other value: 1)
-int rows_together(const char* name) {
-  const long long n = env_int(name, 4);
-  return n == 2 || n == 4 ? static_cast<int>(n) : 1;
+// A switch for how many rows a thread computes side by side: 1, 2, 4, or 8 where `up_to_8` (any other
+// value: 1)
+int rows_together(const char* name, long long fallback, bool up_to_8) {
+  const long long n = env_int(name, fallback);
+  return n == 2 || n == 4 || (up_to_8 && n == 8) ? static_cast<int>(n) : 1;
 }
 
 // Rows (float16, Q8_0, Q4_0, Q5_0; AVX-512 or AVX2) one thread streams side by side for one token when fewer
-// than half a weight's rows are listed: neurons in the fused FFN, rows in the row-dot (HS_FFN_ROWS: 1,
-// 2 or 4, default 4; read per call like HS_FUSED_FFN). Scattered rows one at a time leave the memory
-// idle (dev VM, 10% of 13824 rows, 2 threads: 1.4-1.7x); consecutive rows, which the hardware
-// prefetcher follows as one stream, lose (0.5-0.9x).
-int ffn_rows() { return rows_together("HS_FFN_ROWS"); }
+// than half a weight's rows are listed: rows in the row-dot, rows of the neurons in the fused FFN (a gated
+// neuron's two, gate and up: half as many neurons) (HS_FFN_ROWS: 1, 2, 4 or 8, default 8; read per call
+// like HS_FUSED_FFN). Scattered rows one at a time leave the memory idle (dev VM, 10% of 13824 rows, 2
+// threads: 1.4-1.7x); consecutive rows, which the hardware prefetcher follows as one stream, lose
+// (0.5-0.9x). Eight rather than four (session 27, dev VM, alternating, 10% of 13824x5120 rows from memory):
+// the row-dot 1.2-1.35x with one thread (F16 13.2 -> 16.2 GiB/s, Q8_0 10.2 -> 13.6, Q4_0 9.6 -> 13.0),
+// 1.1-1.2x with two; the ungated FFN (Falcon-40B's F16 rows, 10%) 14.0 -> 15.8 / 25.0 -> 28.2 with one / two
+// threads. Gated FFNs streamed four neurons (eight rows) already; eight of them (sixteen rows) lost.
+int ffn_rows() { return rows_together("HS_FFN_ROWS", 8, true); }
 
 // Streams per thread of a dense one-token GEMV (HS_GEMV_STREAMS: 1, 2 or 4, default 4; read per call):
 // a thread's rows as that many interleaved runs, one row of each computed side by side, so that each
@@ -207,7 +212,7 @@ int ffn_rows() { return rows_together("HS_FFN_ROWS"); }
 // 13B attention F16 93.5 / 109.6 / 113.9 GiB/s with 1 / 2 / 4, 7B attention Q4_0 72.7 / 86.5 / 96.1,
 // Q8_0 predictors 68.2 / 77.3 / 88.4; one thread 9.2 -> 12.7, 7.5 -> 11.2, 6.7 -> 11.6. The Zen 4 dev VM
 // (2 threads): F16 20.2 -> 27.1, Q4_0 and Q8_0 within noise.
-int gemv_streams() { return rows_together("HS_GEMV_STREAMS"); }
+int gemv_streams() { return rows_together("HS_GEMV_STREAMS", 4, false); }
 
 // Neurons a thread of the fused FFN claims at a time (HS_FFN_CHUNK; 0: one fixed share per thread).
 // Claimed shares keep every thread busy to the end of a layer when one of them starts late or is
@@ -753,8 +758,8 @@ bool sparse_ffn_fused_cpu(const at::Tensor& x, const at::Tensor& up, int64_t up_
   const bool* mp = masked ? mask->data_ptr<bool>() : nullptr;
   float* hp = h_out.data_ptr<float>();
   const int pf = prefetch_mode();
-  const int side_by_side =
-      (T == 1 && !masked && 2 * M < up.size(0) && has_dot_rows(up_type)) ? ffn_rows() : 1;
+  const int side_by_side =  // neurons: HS_FFN_ROWS rows, two a neuron where gated
+      (T == 1 && !masked && 2 * M < up.size(0) && has_dot_rows(up_type)) ? std::max(1, ffn_rows() / (gated ? 2 : 1)) : 1;
   // A ReLU gate that does not fire zeroes its neuron whatever the up row gives: one row at a time
   // (several tokens, or many rows listed), the gate row is read first and the up row only where it
   // fired. Predictors that over-predict (to keep recall) list neurons that do not fire; each of those

@@ -114,13 +114,13 @@ def test_sparse_ffn(activation, gated, act_on_up, qtype, which, tokens):
     torch.testing.assert_close(y, y_ref, rtol=5e-3, atol=1e-3 * max(1.0, y_ref.abs().max().item()))
 
 
-@pytest.mark.parametrize("rows", ["1", "2", "4"])
+@pytest.mark.parametrize("rows", ["1", "2", "4", "8"])
 @pytest.mark.parametrize("qtype", [Q.F16, Q.Q8_0, Q.Q4_0, Q.Q5_0])
 @pytest.mark.parametrize("activation,gated,act_on_up", [("relu", True, False), ("relu", False, False), ("silu", True, False)])
 def test_sparse_ffn_rows_side_by_side(rows, qtype, activation, gated, act_on_up, monkeypatch):
-    """HS_FFN_ROWS: the decode FFN streaming 1, 2 or 4 neurons' rows at once (AVX-512 or AVX2) gives the
-    twin's answer, for a float16 row length with a tail (96 = 3 x 32) and a neuron count per thread
-    that is not a multiple of the group."""
+    """HS_FFN_ROWS: the decode FFN streaming 1, 2, 4 or 8 rows at once (a gated neuron's two: half as many
+    neurons; AVX-512 or AVX2) gives the twin's answer, for a float16 row length with a tail (96 = 3 x 32)
+    and a neuron count per thread that is not a multiple of the group."""
     monkeypatch.setenv("HS_FFN_ROWS", rows)
     d, n_ff = 96, 203
     up, gate = random_rows(qtype, n_ff, d, seed=1), random_rows(qtype, n_ff, d, seed=2) if gated else None
@@ -137,7 +137,7 @@ def test_sparse_ffn_rows_side_by_side(rows, qtype, activation, gated, act_on_up,
 
 
 @pytest.mark.parametrize("chunk", ["0", "1", "3", "16"])
-@pytest.mark.parametrize("rows", ["1", "4"])
+@pytest.mark.parametrize("rows", ["1", "4", "8"])
 @pytest.mark.parametrize("n_threads", [1, 2, 4])
 @pytest.mark.parametrize("qtype", [Q.F16, Q.Q4_0])
 def test_sparse_ffn_claimed_shares(chunk, rows, n_threads, qtype, monkeypatch):
@@ -163,7 +163,7 @@ def test_sparse_ffn_claimed_shares(chunk, rows, n_threads, qtype, monkeypatch):
     torch.testing.assert_close(y, y_ref, rtol=tol, atol=10 * tol * max(1.0, y_ref.abs().max().item()))
 
 
-@pytest.mark.parametrize("rows", ["1", "2", "4"])
+@pytest.mark.parametrize("rows", ["1", "2", "4", "8"])
 @pytest.mark.parametrize("qtype", [Q.F16, Q.Q8_0, Q.Q4_0, Q.Q5_0])
 @pytest.mark.parametrize("order", ["sorted", "unsorted"])
 def test_sparse_rowdot_rows_side_by_side(rows, qtype, order, monkeypatch):
@@ -319,7 +319,7 @@ def _has_vbmi() -> bool:
 
 @pytest.mark.parametrize("planes", ["2", "1"])
 @pytest.mark.parametrize("K", [32 * 8, 32 * 13])  # whole groups of four blocks; three and a 1-block tail
-@pytest.mark.parametrize("rows", ["1", "2", "4"])
+@pytest.mark.parametrize("rows", ["1", "2", "4", "8"])
 def test_wide_q4_0_dots(planes, K, rows, monkeypatch):
     """One token of Q4_0 rows four blocks at a time (AVX-512 VBMI; HS_Q4_WIDE=0 the older 256-bit form; rows
     one at a time with and without prefetching ahead, HS_Q4_PREFETCH):

@@ -1,7 +1,8 @@
 """The CPU's fused sparse FFN for one token (what a hybrid decode step runs per layer for the cold
 neurons) on real-scale layers, in GiB/s of the rows it reads: random active sets at given densities,
 each rep a new set (little cache reuse: one layer is hundreds of MB), against a sequential read of the
-same bytes; with 1, 2 and 4 neurons' rows streamed side by side (HS_FFN_ROWS). Not a
+same bytes; with 1, 2, 4 and 8 rows streamed side by side (HS_FFN_ROWS; a gated neuron's two rows count
+as two: 8 is four gated neurons, 2 or 1 one neuron at a time). Not a
 test. Usage: ffn_bench.py [SHAPE ...]; HS_PREFETCH / thread counts / densities via env (FB_THREADS=8,16,
 FB_DENSITIES=0.03,0.07,0.15)."""
 
@@ -43,7 +44,7 @@ for name in names:
             flat.view(torch.int64).sum()
         seq = 3 * flat.numel() / (time.perf_counter() - t0) / 2**30
         densities = [float(v) for v in os.environ.get("FB_DENSITIES", "0.03,0.07,0.15").split(",")]
-        for density, side in [(dn, r) for dn in densities for r in (1, 2, 4)]:
+        for density, side in [(dn, r) for dn in densities for r in (1, 2, 4, 8)]:
             os.environ["HS_FFN_ROWS"] = str(side)
             m = int(n_ff * density)
             total_bytes, total_s = 0, 0.0
