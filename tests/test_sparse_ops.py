@@ -683,6 +683,34 @@ def test_compiled_errors_carry_numbers_and_types():
         kernels.cpu.qmatmul(torch.zeros(4, 18, dtype=torch.uint8), int(Q.Q4_0), torch.zeros(1, 33))
 
 
+def test_block_halves_refuse_bad_arguments():
+    """The compiled halves of a decode step (attention_block, ffn_block, sparse_ffn_block) name what is
+    wrong: several tokens, a weight of another width, a predictor whose scores do not match the FFN."""
+    d, n_ff = 64, 96
+    f16 = int(Q.F16)
+    gate, up, down = (random_rows(Q.F16, n, k, seed=s) for n, k, s in ((n_ff, d, 1), (n_ff, d, 2), (d, n_ff, 3)))
+    norm = torch.ones(d)
+    with pytest.raises(RuntimeError, match="ffn_block: x must be one token"):
+        kernels.cpu.ffn_block(torch.randn(2, d), norm, 1e-6, [gate, up], [f16, f16], down, f16, False, 0, False)
+    with pytest.raises(RuntimeError, match="rms_norm: weight has 32 elements, x rows have 64"):
+        kernels.cpu.ffn_block(torch.randn(1, d), torch.ones(32), 1e-6, [gate, up], [f16, f16], down, f16, False, 0, False)
+    wide_down = random_rows(Q.F16, d + 32, n_ff, seed=4)
+    with pytest.raises(RuntimeError, match="ffn_block: the down projection gives 96 values for a d_model of 64"):
+        kernels.cpu.ffn_block(torch.randn(1, d), norm, 1e-6, [gate, up], [f16, f16], wide_down, f16, False, 0, False)
+    fc1, fc2 = random_rows(Q.F16, 8, d, seed=5), random_rows(Q.F16, n_ff - 1, 8, seed=6)
+    ids = torch.arange(n_ff, dtype=torch.int32)
+    down_t = random_rows(Q.F16, n_ff, d, seed=7)
+    with pytest.raises(RuntimeError, match="sparse_ffn_block: the predictor gives 95 scores for 96 neurons"):
+        kernels.cpu.sparse_ffn_block(torch.randn(1, d), norm, 1e-6, fc1, f16, fc2, f16, 0.0, ids, up, f16, gate, f16,
+                                     down_t, f16, None, 1, False, None)
+    q, k, v, o = (random_rows(Q.F16, d, d, seed=s) for s in (8, 9, 10, 11))
+    cache = torch.zeros(2, 8, 32)
+    with pytest.raises(RuntimeError, match="attention_block: q_norm and k_norm go together"):
+        kernels.cpu.attention_block(torch.randn(1, d), norm, 1e-6, [q, k, v], [f16] * 3, o, f16, 2, 2,
+                                    torch.ones(1, 16), torch.zeros(1, 16), True, cache, cache.clone(),
+                                    torch.tensor([0]), 1, 0.2, q_norm=torch.ones(32))
+
+
 @pytest.mark.parametrize("qtype", [Q.F16, Q.Q8_0, Q.Q4_0])
 def test_matmul_add_on_the_cpu_is_matmul_then_add(qtype):
     """kernels.matmul_add (the residual added by the GEMV on CUDA) is matmul, then the add, on the CPU,
