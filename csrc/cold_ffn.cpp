@@ -31,6 +31,7 @@
 
 #include "check.h"
 #include "cpu_dot.h"
+#include "cpu_ops.h"
 #include "env.h"
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -44,13 +45,6 @@
 #endif
 
 namespace hs {
-
-std::tuple<at::Tensor, at::Tensor> sparse_ffn_cpu(const at::Tensor& x, const at::Tensor& up, int64_t up_type,
-                                                  const c10::optional<at::Tensor>& gate, int64_t gate_type,
-                                                  const at::Tensor& down_t, int64_t down_type,
-                                                  const c10::optional<at::Tensor>& idx,
-                                                  const c10::optional<at::Tensor>& up_bias, int64_t act,
-                                                  bool act_on_up);
 
 namespace {
 

@@ -19,25 +19,9 @@
 
 #include "check.h"
 #include "cpu_dot.h"
+#include "cpu_ops.h"
 
 namespace hs {
-
-std::vector<at::Tensor> qmatmul_rows_cpu(const std::vector<at::Tensor>& ws, const std::vector<int64_t>& qtypes,
-                                         const at::Tensor& x, const std::vector<c10::optional<at::Tensor>>& idxs);
-at::Tensor rms_norm_cpu(const at::Tensor& x, const at::Tensor& w, double eps);
-at::Tensor qmatmul_cpu(const at::Tensor& w, int64_t qtype, const at::Tensor& x);
-std::vector<at::Tensor> qmatmul_multi_cpu(const std::vector<at::Tensor>& ws, const std::vector<int64_t>& qtypes,
-                                          const at::Tensor& x);
-at::Tensor sparse_axpy_cpu(const at::Tensor& w, int64_t qtype, const at::Tensor& h,
-                           const c10::optional<at::Tensor>& idx);
-at::Tensor gated_act_cpu(const at::Tensor& gate, const at::Tensor& up, int64_t act, bool act_on_up);
-at::Tensor select_ids(const at::Tensor& mask, const at::Tensor& ids, c10::optional<double> threshold);
-std::tuple<at::Tensor, at::Tensor> sparse_ffn_cpu(const at::Tensor& x, const at::Tensor& up, int64_t up_type,
-                                                  const c10::optional<at::Tensor>& gate, int64_t gate_type,
-                                                  const at::Tensor& down_t, int64_t down_type,
-                                                  const c10::optional<at::Tensor>& idx,
-                                                  const c10::optional<at::Tensor>& up_bias, int64_t act,
-                                                  bool act_on_up);
 
 void rope_cpu(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, bool neox) {
   HS_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat && x.is_contiguous(),
