@@ -199,10 +199,10 @@ int rows_together(const char* name, long long fallback, bool up_to_8) {
 // neuron's two, gate and up: half as many neurons) (HS_FFN_ROWS: 1, 2, 4 or 8, default 8; read per call
 // like HS_FUSED_FFN). Scattered rows one at a time leave the memory idle (dev VM, 10% of 13824 rows, 2
 // threads: 1.4-1.7x); consecutive rows, which the hardware prefetcher follows as one stream, lose
-// (0.5-0.9x). Eight rather than four (session 27, dev VM, alternating, 10% of 13824x5120 rows from memory):
-// the row-dot 1.2-1.35x with one thread (F16 13.2 -> 16.2 GiB/s, Q8_0 10.2 -> 13.6, Q4_0 9.6 -> 13.0),
-// 1.1-1.2x with two; the ungated FFN (Falcon-40B's F16 rows, 10%) 14.0 -> 15.8 / 25.0 -> 28.2 with one / two
-// threads. Gated FFNs streamed four neurons (eight rows) already; eight of them (sixteen rows) lost.
+// (0.5-0.9x). Eight rather than four (session 27, dev VM, tests/gpu/rows_in_flight_bench.py, 10% of
+// 13824x5120 rows from memory): the row-dot with one thread F16 11.5 -> 13.9 GiB/s, Q8_0 9.8 -> 12.3, Q4_0
+// 6.8 -> 8.0, 1.08-1.18x with two; the ungated FFN (Falcon-40B's F16 rows, 10%) 14.0 -> 15.8 with one thread.
+// Gated FFNs streamed four neurons (eight rows) already; eight of them (sixteen rows) lost.
 int ffn_rows() { return rows_together("HS_FFN_ROWS", 8, true); }
 
 // Streams per thread of a dense one-token GEMV (HS_GEMV_STREAMS: 1, 2 or 4, default 4; read per call):

@@ -393,12 +393,11 @@ class HybridFFN:
 
     def token_block(self, x: torch.Tensor, norm: kernels.Norm) -> torch.Tensor | None:
         """x + this FFN of norm(x) as one compiled call (`kernels.cpu.sparse_ffn_block`: the norm and the
-        bound calls of _cpu_token_fn, then the residual), for one CPU-only token under an RMS norm; None
-        where that is not the case (layers.ffn then takes the general path). Not while HS_HYBRID_TIMING
-        times the predictor and the FFN apart."""
-        if TIMING is not None or not self.n_cold or kernels.cpu is None or x.shape[0] != 1 or x.is_cuda \
-                or x.dtype != torch.float32 or not x.is_contiguous() or norm.layer or norm.weight.is_cuda \
-                or norm.weight.dtype != torch.float32:
+        bound calls of _cpu_token_fn, then the residual), for one token that layers.ffn_block found fit for
+        the compiled CPU ops (x, an RMS norm); None where this layer is not CPU-only with a predictor
+        (layers.ffn then takes the general path). Not while HS_HYBRID_TIMING times the predictor and the FFN
+        apart."""
+        if TIMING is not None or not self.n_cold:
             return None
         if self._cpu_token is None:
             self._cpu_token = self._cpu_token_fn()

@@ -111,11 +111,13 @@ def ffn_block(x: torch.Tensor, w: FFNWeights, spec: FFNSpec, norm: kernels.Norm,
     """x + [rms_norm(., post_norm)](FFN of norm(x)) for one token on the CPU as one compiled call
     (`kernels.cpu.ffn_block`: the norm, gate/up GEMV, activation and down projection the calls below make,
     in their order; a hybrid layer's `token_block` for its CPU-only form); None where neither applies."""
+    if x.shape[0] != 1 or not kernels.cpu_block_ok(x, ()) or norm.layer or norm.weight.is_cuda \
+            or norm.weight.dtype != torch.float32:
+        return None
     if not isinstance(w, FFNWeights):
         token_block = getattr(w, "token_block", None)  # the hybrid runtime's split FFN
         return token_block(x, norm) if token_block is not None and post_norm is None else None
-    if not (x.shape[0] == 1 and spec.gated and FFN_PROBE is None and w.up_bias is None and w.down_bias is None
-            and not norm.layer and norm.weight.dtype == torch.float32 and not norm.weight.is_cuda
+    if not (spec.gated and FFN_PROBE is None and w.up_bias is None and w.down_bias is None
             and kernels.cpu_block_ok(x, (w.gate, w.up))
             and (w.down.qtype in kernels.CPU_AXPY_QTYPES if w.down_transposed else kernels.cpu_block_ok(x, (w.down,)))):
         return None
