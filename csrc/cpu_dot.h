@@ -348,20 +348,6 @@ HS_AVX2 static inline __m256i unsigned_block_q45_0(const void* row, int64_t b, f
   }
 }
 
-HS_AVX2 static inline float dot_q8_0_avx2(const void* row, const ActQ8* a, int64_t nb) {
-  const BlockQ8_0* w = static_cast<const BlockQ8_0*>(row);
-  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-  int64_t b = 0;
-  for (; b + 1 < nb; b += 2) {
-    acc0 = block_dot2(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[b].qs)), a[b], _cvtsh_ss(w[b].d), acc0);
-    acc1 = block_dot2(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[b + 1].qs)), a[b + 1],
-                      _cvtsh_ss(w[b + 1].d), acc1);
-  }
-  for (; b < nb; ++b)
-    acc0 = block_dot2(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[b].qs)), a[b], _cvtsh_ss(w[b].d), acc0);
-  return hsum(_mm256_add_ps(acc0, acc1));
-}
-
 // R rows side by side against one token, for CPUs without AVX-512 (the sparse row-dot and the fused
 // FFN over scattered rows: more streams in flight per core than one row at a time). Q8_0: the
 // activation block read once for all R rows.
@@ -378,21 +364,31 @@ HS_AVX2 static inline void dot_q8_0_rows_avx2(const void* const* rows, const Act
   for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]);
 }
 
-// float16 rows side by side against a float32 x, 8 values a step, x loaded once per step for all R
+// one row: the side-by-side kernel's sums, so a dense GEMV gives the same floats with any HS_GEMV_STREAMS
+HS_AVX2 static inline float dot_q8_0_avx2(const void* row, const ActQ8* a, int64_t nb) {
+  float o;
+  dot_q8_0_rows_avx2<1>(&row, a, nb, &o);
+  return o;
+}
+
+// float16 rows side by side against a float32 x, 16 values a step in two sums per row, x loaded once per
+// step for all R: the sums of dot_floats_avx2 (the one-row dot) in the same order, so a row gives the same
+// float whether it is computed alone or beside others (a dense GEMV's streams, a sparse row-dot's tail)
 template <int R>
 HS_AVX2 static inline void dot_f16_rows_avx2(const void* const* rows, const float* x, int64_t n, float* out) {
-  __m256 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  __m256 a0[R], a1[R];
+  for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm256_setzero_ps();
   int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const __m256 xv = _mm256_loadu_ps(x + i);
+  for (; i + 16 <= n; i += 16) {
+    const __m256 x0 = _mm256_loadu_ps(x + i), x1 = _mm256_loadu_ps(x + i + 8);
     for (int r = 0; r < R; ++r) {
       const uint16_t* w = static_cast<const uint16_t*>(rows[r]) + i;
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))), xv, acc[r]);
+      a0[r] = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))), x0, a0[r]);
+      a1[r] = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 8))), x1, a1[r]);
     }
   }
   for (int r = 0; r < R; ++r) {
-    float s = hsum(acc[r]);
+    float s = hsum(_mm256_add_ps(a0[r], a1[r]));
     for (int64_t j = i; j < n; ++j) s += _cvtsh_ss(static_cast<const uint16_t*>(rows[r])[j]) * x[j];
     out[r] = s;
   }

@@ -203,8 +203,9 @@ def test_other_cpu_paths_match_twin(path):
 @needs_kernels
 def test_avx2_rows_side_by_side_match_twin():
     """On the AVX2 path (CPUs without AVX-512) the one-token FFN and row-dot also stream rows side by
-    side (F16, Q8_0, Q4_0, Q5_0 kernels of their own): the side-by-side, gate-first and claimed-share
-    tests of test_sparse_ops.py, rerun in a process forced onto that path."""
+    side (F16, Q8_0, Q4_0, Q5_0 kernels of their own): the side-by-side, gate-first, claimed-share, GEMV-stream
+    and Q4_0 dot tests of test_sparse_ops.py, rerun in a process forced onto that path (the streams' test found
+    its one-row F16 and Q8_0 dots summing in another order than the side-by-side kernels there)."""
     import os
     import platform
     import subprocess
@@ -214,7 +215,7 @@ def test_avx2_rows_side_by_side_match_twin():
         pytest.skip("x86 only")
     here = Path(__file__).parent
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(here / "test_sparse_ops.py"),
-                        "-k", "side_by_side or gate_first or claimed_shares or rowdot or one_plane"], capture_output=True, text=True,
+                        "-k", "side_by_side or gate_first or claimed_shares or rowdot or one_plane or gemv_streams or wide_q4_0"], capture_output=True, text=True,
                        timeout=600, env={**os.environ, "HS_CPU_PATH": "avx2"}, cwd=here.parent)
     assert r.returncode == 0, r.stdout[-3000:]
     assert " passed" in r.stdout and " failed" not in r.stdout

@@ -275,7 +275,8 @@ def test_sparse_rowdot_with_mask(qtype, which):
     rows = torch.arange(N_ROWS) if idx is None else idx.long()
     full = kernels.sparse_rowdot(w, qtype, x, idx)
     torch.testing.assert_close(y, full * mask[rows].float())
-    torch.testing.assert_close(y, kernels.sparse_rowdot_reference(w, qtype, x, idx, mask), rtol=1e-3, atol=1e-3)
+    ref = kernels.sparse_rowdot_reference(w, qtype, x, idx, mask)  # float x: the kernel's 8-bit x errs ~1e-4
+    torch.testing.assert_close(y, ref, rtol=1e-3, atol=2e-4 * max(ref.abs().amax().item() if ref.numel() else 0.0, 1.0))
     torch.testing.assert_close(kernels.ops().sparse_rowdot(w, int(qtype), x, idx, mask), y)
 
 
