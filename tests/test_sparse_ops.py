@@ -364,6 +364,39 @@ def test_wide_q4_0_dots(planes, K, rows, monkeypatch):
         assert torch.equal(kernels.matmul(x, w, Q.Q4_0), results["1"][2]), f"HS_Q4_PREFETCH={pf}"
 
 
+@pytest.mark.parametrize("qtype,planes", [(Q.F16, "2"), (Q.Q4_0, "2"), (Q.Q4_0, "1")])
+@pytest.mark.parametrize("rows", ["8", "4"])
+def test_next_rows_ask_changes_nothing(qtype, planes, rows, monkeypatch):
+    """Listed rows side by side asking for the next group's rows while they compute (HS_NEXT_ROWS, float16
+    and the four-blocks Q4_0 dots) or not: the same row-dot sums and FFN activations bit for bit (the ask
+    only moves data), the FFN's y within float rounding (threads claim neurons as they go, so their
+    partial sums add in any order); several groups, the last without a next one."""
+    monkeypatch.setenv("HS_ACT_PLANES", planes)
+    monkeypatch.setenv("HS_FFN_ROWS", rows)
+    n, K = 203, 416
+    w, w2, down_t = (random_rows(qtype, n, K, seed=s) for s in (8, 9, 10))
+    x = torch.randn(1, K, generator=torch.Generator().manual_seed(12))
+    few = torch.randperm(n, generator=torch.Generator().manual_seed(13))[:61].int()  # < half: side by side
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(14))
+
+    def run():
+        return [kernels.sparse_rowdot(w, qtype, x, few),
+                *kernels.sparse_ffn(x, w, qtype, w2, qtype, down_t, qtype, few, None, "relu", False),
+                *kernels.sparse_ffn(x, w, qtype, None, qtype, down_t, qtype, few, bias, "relu", False)]
+    monkeypatch.setenv("HS_NEXT_ROWS", "0")
+    off = run()
+    monkeypatch.setenv("HS_NEXT_ROWS", "1")
+    on = run()
+    for i, (a, b) in enumerate(zip(off, on)):
+        if i in (1, 3):  # y
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * a.abs().max().item())
+        else:
+            assert torch.equal(a, b), f"HS_NEXT_ROWS case {i}"
+    xq = x.double() if qtype == Q.F16 else quantize_activations(x, 32, int(planes))  # what the kernel dots with
+    wd = dequantize(w, qtype).double()[few.long()]
+    assert ((on[0].double() - xq @ wd.T).abs().max() / (xq.abs() @ wd.abs().T).max()).item() < 1e-6
+
+
 @pytest.mark.parametrize("qtype", [Q.F16, Q.Q8_0, Q.Q4_0, Q.Q5_0])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_dense_gemv_streams(qtype, threads, monkeypatch):

@@ -29,6 +29,8 @@
 #   then their dense GEMV from memory prefetching ahead or not (HS_Q4_PREFETCH)
 #   s5ab: S5's model CPU-only sparse (hs-run --vram-budget 0) with HS_Q4_WIDE=1/0 and HS_ACT_PLANES=2/1, alternating,
 #   at 16 threads and HS_S5_T2=1 also at 2
+#   nextrows: listed Q4_0 rows asking for the next group's rows or not (HS_NEXT_ROWS=1/0), the row-dot at 1 and 16
+#   threads, then S2's step with and without, alternating
 #   s5run: S5's model through hs-run, CPU-only sparse (--vram-budget 0) vs dense (-ngl 0), 16 threads, alternating
 #   pollab: S5's CPU-only sparse decode (16 threads, HS_POLL_T) through hs-run and through hs-bench's child process
 #   alone and beside another process reading NVML every HS_POLL_PERIODS seconds (the parent's peak-memory poll),
@@ -171,6 +173,14 @@ M70=/dev/shm/relu-llama-2-70b-q4_0-powerinfer.gguf
 [ -f $M70 ] || hs-bench synth --shape relu-llama-2-70b --dtype q4_0 --layout powerinfer -o /dev/shm 2>&1 | tail -1
 HS_PROFILE_MODES=${HS_AB_MODES:-graphs,one-plane,graphs,one-plane,poll,graphs} timeout 300 \
   python3 tests/gpu/profile_hybrid.py $M70 11 predictor 12 2>&1 | grep --line-buffered "per token" | tee "$OUT/profile_s2_ab.txt"
+fi
+if [[ $STAGES == *,nextrows,* ]]; then  # listed Q4_0 rows asking for the next group's rows or not (HS_NEXT_ROWS)
+RF_VAR=HS_NEXT_ROWS RF_VALUES=1,0 RF_TYPES=Q4_0 RF_DENSITIES=0.03,0.1,0.33 RF_THREADS=1,16 timeout 200 \
+  python3 tests/gpu/rows_in_flight_bench.py 2>&1 | tee "$OUT/next-rows.txt"
+M70=/dev/shm/relu-llama-2-70b-q4_0-powerinfer.gguf
+[ -f $M70 ] || hs-bench synth --shape relu-llama-2-70b --dtype q4_0 --layout powerinfer -o /dev/shm 2>&1 | tail -1
+HS_PROFILE_MODES=poll,poll-nonext,poll,poll-nonext,poll,poll-nonext timeout 300 \
+  python3 tests/gpu/profile_hybrid.py $M70 11 predictor 12 2>&1 | grep --line-buffered "per token" | tee "$OUT/profile_s2_next.txt"
 fi
 if [[ $STAGES == *,pdltests,* ]]; then
 HS_CUDA_PDL=1 timeout ${HS_TEST_TIMEOUT:-300} python3 -m pytest -q --tb=short -rf tests/gpu/test_cuda.py \

@@ -12,6 +12,7 @@
     (HS_ACT_PLANES=1),
   - events-s1 / poll-s1: events / poll with a dense GEMV's rows as one stream a thread instead of 4
     (HS_GEMV_STREAMS=1: the CPU's attention and predictors),
+  - poll-nonext: poll with listed Q4_0 rows side by side not asking for the next group's rows (HS_NEXT_ROWS=0),
   - poll-runpool: poll where some attention is on the CPU, the GPU runs' CPU parts on the spinning pool
     instead of the OpenMP team of the CPU layers (HS_RUN_POOL=1),
   - poll-narrow / poll-one-narrow: poll (two-plane / one-plane activations) with one token's Q4_0 dots
@@ -31,7 +32,7 @@
     (HS_TRACE_SKIP=0: with the CPU work; default without it, the GPU's part alone; HS_TRACE_OUT=FILE:
     the Chrome trace),
 and torch's profile of two eager steps. HS_PROFILE_MODES=graphs (a comma list of graphs, unfused, eager,
-events, events-nohg, events-s1, layers, generate, trace, poll, poll-s1, poll-runpool, poll-skip, poll-one-plane, poll-narrow, poll-one-narrow, serial, one-plane, omp, spin, omp-spin, skip, static, t-1, noyield, sleep) runs only those, in that order
+events, events-nohg, events-s1, layers, generate, trace, poll, poll-s1, poll-runpool, poll-nonext, poll-skip, poll-one-plane, poll-narrow, poll-one-narrow, serial, one-plane, omp, spin, omp-spin, skip, static, t-1, noyield, sleep) runs only those, in that order
 (a mode named twice runs twice: graphs,poll,graphs,poll alternates them), and skips torch's profile
 (unless HS_PROFILE_TORCH=1; HS_PROFILE_ROWS rows of it, by device time on a GPU or by HS_PROFILE_SORT,
 e.g. self_cpu_time_total); HS_THREADS sets the
@@ -116,12 +117,14 @@ VARIANTS = (("graphs", "graphs + host nodes", True, True, {}),
             ("events-nohg", "the same, HS_HOT_GRAPHS=0", False, False, {}),
             ("events-s1", "events, 1 GEMV stream", False, False, {"HS_GEMV_STREAMS": "1"}),
             ("poll-s1", "polled, 1 GEMV stream", True, True, {"HS_GEMV_STREAMS": "1"}),
-            ("poll-runpool", "polled, run graphs' pool", True, True, {"HS_RUN_POOL": "1"}))
+            ("poll-runpool", "polled, run graphs' pool", True, True, {"HS_RUN_POOL": "1"}),
+            ("poll-nonext", "polled, no next-rows ask", True, True, {"HS_NEXT_ROWS": "0"}))
 by_key = {v[0]: v for v in VARIANTS}
 default_handover = kernels.HANDOVER  # the runtime's (HS_HANDOVER or its default), for generate / trace below
 for key, label, graphs, nodes, env in (by_key[k] for k in modes if k in by_key):  # in the order asked, repeats too
     saved = {k: os.environ.get(k) for k in ("HS_COLD_POOL", "HS_GRAPH_WAIT", "HS_FUSED_FFN", "HS_COLD_SKIP",
-                                      "HS_FFN_CHUNK", "HS_ACT_PLANES", "HS_Q4_WIDE", "HS_GEMV_STREAMS", "HS_RUN_POOL")}
+                                      "HS_FFN_CHUNK", "HS_ACT_PLANES", "HS_Q4_WIDE", "HS_GEMV_STREAMS", "HS_RUN_POOL",
+                                      "HS_NEXT_ROWS")}
     kernels.cpu.cold_ffn_set_threads(torch.get_num_threads() - (key == "t-1"))
     kernels.cpu.pool_configure(*{"noyield": (2000, 2000), "sleep": (0, 0)}.get(key, (2000, 50)))
     os.environ.update(env)

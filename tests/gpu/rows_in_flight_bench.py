@@ -2,7 +2,8 @@
 session 27, against 4 and 1), alternating pass by pass in one process (not a test): the one-token sparse
 row-dot on 13B-shaped rows (13824 x 5120) in F16 / Q8_0 / Q4_0 at 3% and 10% of the rows listed, weights
 enough to exceed the L3 (over 1 GiB of each type, taken in turn). GiB/s of the listed rows, each pass's
-median.
+median. Another switch in place of HS_FFN_ROWS: RF_VAR and RF_VALUES (e.g. whether Q4_0 groups ask for the
+next group's rows, RF_VAR=HS_NEXT_ROWS RF_VALUES=1,0 RF_TYPES=Q4_0); RF_DENSITIES the listed shares.
   RF_THREADS=1,2 python tests/gpu/rows_in_flight_bench.py   (the GPU machine's Xeon: RF_THREADS=16)"""
 
 import os
@@ -21,28 +22,31 @@ from quant_utils import random_rows  # noqa: E402
 kernels.ops()
 K, N = 5120, 13824
 threads = [int(t) for t in os.environ.get("RF_THREADS", "1,2").split(",")]
-rows_tried = os.environ.get("RF_ROWS", "8,4,1").split(",")
+var = os.environ.get("RF_VAR", "HS_FFN_ROWS")
+rows_tried = os.environ.get("RF_VALUES", os.environ.get("RF_ROWS", "8,4,1")).split(",")
+densities = [float(d) for d in os.environ.get("RF_DENSITIES", "0.03,0.1").split(",")]
+types = [Q[t] for t in os.environ.get("RF_TYPES", "F16,Q8_0,Q4_0").split(",")]
 g = np.random.default_rng(0)
 print(f"cpu path {kernels.cpu.cpu_path()}", flush=True)
-for qt in (Q.F16, Q.Q8_0, Q.Q4_0):
+for qt in types:
     one = random_rows(qt, N, K).contiguous()
     copies = max(2, -(-(1 << 30) // (one.numel() * one.element_size())))
     ws = [one] + [random_rows(qt, N, K, seed=c + 1).contiguous() for c in range(copies - 1)]
     row = one[0].numel() * one.element_size()
     x = torch.randn(1, K)
-    for density in (0.03, 0.1):
+    for density in densities:
         idx = torch.from_numpy(np.sort(g.choice(N, int(N * density), replace=False)).astype(np.int32))
         for nt in threads:
             torch.set_num_threads(nt)
             rates = {r: [] for r in rows_tried}
             for _ in range(3):
                 for r in rows_tried:
-                    os.environ["HS_FFN_ROWS"] = r
+                    os.environ[var] = r
                     for w in ws:
                         t0 = time.perf_counter()
                         kernels.cpu.sparse_rowdot(w, int(qt), x, idx, None)
                         rates[r].append(idx.numel() * row / (time.perf_counter() - t0) / 2**30)
             print(f"{qt.name:5s} {density:.0%} t={nt:2d}: " + "  ".join(
-                f"x{r} {statistics.median(v):6.1f}" for r, v in rates.items()) + " GiB/s", flush=True)
+                f"{var}={r} {statistics.median(v):6.1f}" for r, v in rates.items()) + " GiB/s", flush=True)
     del ws, one
-os.environ.pop("HS_FFN_ROWS", None)
+os.environ.pop(var, None)
