@@ -923,10 +923,17 @@ HS_AVX512 static inline void axpy_group_f16_avx512(const float* s, const void* c
 // 16-entry table holding q - 8 (vpermps reads only the low 4 bits of each lane: no mask, no offset
 // term). Against a mask, cvtdq2ps and the offset added per block: 7.9 -> 9.3 GiB/s on one Zen 4 core
 // with the rows in cache, 6.4 -> 7.5 from memory.
-template <int G>
+// NEXT: rows[G..2G-1] are the rows of the group that comes next, asked for into L2 a line of each as this
+// group's blocks pass one (see dot_q4_0_rows_wide's NEXT)
+template <int G, bool NEXT = false>
 HS_AVX512 static inline void axpy_rows_q4_0_avx512(const float* s, const void* const* rows, float* y, int64_t n) {
   const __m512 lut = _mm512_setr_ps(-8.f, -7.f, -6.f, -5.f, -4.f, -3.f, -2.f, -1.f, 0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f);
   for (int64_t b = 0; b < n / QK; ++b) {
+    if constexpr (NEXT) {
+      const int64_t off = b * static_cast<int64_t>(sizeof(BlockQ4_0));
+      if ((off & 63) < static_cast<int64_t>(sizeof(BlockQ4_0)))  // this block starts a new line of the row
+        for (int j = 0; j < G; ++j) _mm_prefetch(static_cast<const char*>(rows[G + j]) + off, _MM_HINT_T1);
+    }
     float* yb = y + b * QK;
     __m512 a0 = _mm512_loadu_ps(yb), a1 = _mm512_loadu_ps(yb + 16);
     for (int j = 0; j < G; ++j) {
@@ -942,6 +949,9 @@ HS_AVX512 static inline void axpy_rows_q4_0_avx512(const float* s, const void* c
 }
 HS_AVX512 static inline void axpy_group_q4_0_avx512(const float* s, const void* const* rows, float* y, int64_t n) {
   axpy_rows_q4_0_avx512<AXPY_GROUP>(s, rows, y, n);
+}
+HS_AVX512 static inline void axpy_group_q4_0_avx512_next(const float* s, const void* const* rows, float* y, int64_t n) {
+  axpy_rows_q4_0_avx512<AXPY_GROUP, true>(s, rows, y, n);
 }
 HS_AVX512 static inline void axpy_q4_0_avx512(float s, const void* row, float* y, int64_t n) {
   axpy_rows_q4_0_avx512<1>(&s, &row, y, n);

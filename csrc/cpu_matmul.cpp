@@ -299,8 +299,9 @@ DotRowsQ4G pick_dot_rows_q4g(int n_rows, bool ahead = false, bool next = false) 
 // Whether listed Q4_0 rows side by side ask for the next group's rows while they compute (HS_NEXT_ROWS=0:
 // not; read per call; see dot_q4_0_rows_wide's NEXT). Dev VM's Zen 4, 7B rows (4096 x 11008 Q4_0, from
 // memory, 33% listed, alternating in one process, medians): the sparse row-dot 7.2 -> 12.0 GiB/s on one
-// thread, 12.3 -> 16.8 on two (a GEMV over all rows: 14.7 / 24.6); the fused gated FFN 6.7 -> 8.0-8.3 and
-// 11.8 -> 13.1. Not yet measured on the GPU machine's Xeon.
+// thread, 12.3 -> 16.8 on two (a GEMV over all rows: 14.7 / 24.6); the fused gated FFN, its down rows asked
+// for a group ahead too, 7.2 -> 9.5 and 13.3 -> 16.7 (8.5 and 15.2 without the down rows). Not yet measured
+// on the GPU machine's Xeon.
 bool next_rows() { return !env_off("HS_NEXT_ROWS"); }
 
 // The arranged activations of one token for the wide Q4_0 dots, or empty where they are off (not one
@@ -744,6 +745,10 @@ bool sparse_ffn_fused_cpu(const at::Tensor& x, const at::Tensor& up, int64_t up_
   AxpyGroup group;
   pick_axpy(down_type, direct, group);
   if (!group) return false;
+  // one token's Q4_0 down rows: a group's axpy runs once the group after it is queued, asking for its rows
+  // meanwhile (next_rows)
+  const AxpyGroup group_next =
+      x.size(0) == 1 && !masked && down_type == Q4_0 && cpu_has_avx512() && next_rows() ? axpy_group_q4_0_avx512_next : nullptr;
   HS_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(), "sparse_ffn: x must be contiguous float32");
   const int64_t T = x.size(0), K = x.size(1);
   check_weight(up, up_type, K, "sparse_ffn");
@@ -817,8 +822,8 @@ bool sparse_ffn_fused_cpu(const at::Tensor& x, const at::Tensor& up, int64_t up_
   parallel_threads(n_threads, [&](int tid) {
     float* acc = partial + tid * T * D;
     std::fill(acc, acc + T * D, 0.f);
-    const void* rows[AXPY_GROUP];
-    float sc[AXPY_GROUP];
+    const void* rows[2 * AXPY_GROUP];
+    float sc[2 * AXPY_GROUP];
     int n_group = 0;
     // neuron r's h from its row-dots (g unused without a gate)
     const auto activation = [&](int64_t r, float u, float g) {
@@ -830,7 +835,16 @@ bool sparse_ffn_fused_cpu(const at::Tensor& x, const at::Tensor& up, int64_t up_
       rows[n_group] = dp + r * drow;
       if (pf) prefetch_bytes(reinterpret_cast<const char*>(rows[n_group]), drow, pf);
       sc[n_group++] = h;
-      if (n_group == AXPY_GROUP) {
+      if (group_next) {
+        if (n_group == 2 * AXPY_GROUP) {
+          group_next(sc, rows, acc, D);
+          for (int j = 0; j < AXPY_GROUP; ++j) {
+            rows[j] = rows[AXPY_GROUP + j];
+            sc[j] = sc[AXPY_GROUP + j];
+          }
+          n_group = AXPY_GROUP;
+        }
+      } else if (n_group == AXPY_GROUP) {
         group(sc, rows, acc, D);
         n_group = 0;
       }
@@ -930,7 +944,12 @@ bool sparse_ffn_fused_cpu(const at::Tensor& x, const at::Tensor& up, int64_t up_
         share(r0, std::min(M, r0 + c));
       }
     }
-    for (int j = 0; j < n_group; ++j) direct(sc[j], rows[j], acc, D);
+    int j = 0;
+    if (n_group >= AXPY_GROUP) {  // the group held back for the one after it (group_next)
+      group(sc, rows, acc, D);
+      j = AXPY_GROUP;
+    }
+    for (; j < n_group; ++j) direct(sc[j], rows[j], acc, D);
   });
   float* yp = y_out.data_ptr<float>();
   // the threads' sums added slice by slice (16 x 5120 floats for a 13B layer: ~30 us on one thread)
