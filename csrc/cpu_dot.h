@@ -654,7 +654,9 @@ HS_AVX512 static inline __m512 scales_2(float s0, float s1) {
 // The dots of R Q8_0 rows with one quantized x, side by side (see dot_f16_rows_avx512; R = 1 is the
 // plain dot): two blocks per 512-bit register, the weight's sign moved onto the activations, the
 // activation planes loaded once per pair of blocks for all R rows.
-template <int R, bool ONE_PLANE = false>
+// NEXT: as dot_q4_0_rows_wide's, rows[R..2R-1] are the next group's rows, asked for as this group's pass the
+// same place (a step's 68 bytes touch at most two lines of each)
+template <int R, bool ONE_PLANE = false, bool NEXT = false>
 HS_AVX512 static inline void dot_q8_0_rows_avx512(const void* const* rows, const ActQ8* a, int64_t nb, float* out) {
   static_assert(PLANE_SHIFT == 128, "dot2_vnni shifts by 7");
   const BlockQ8_0* w[R];
@@ -665,6 +667,13 @@ HS_AVX512 static inline void dot_q8_0_rows_avx512(const void* const* rows, const
   }
   int64_t b = 0;
   for (; b + 1 < nb; b += 2) {
+    if constexpr (NEXT) {
+      for (int r = 0; r < R; ++r) {
+        const char* nx = static_cast<const char*>(rows[R + r]) + b * static_cast<int64_t>(sizeof(BlockQ8_0));
+        _mm_prefetch(nx, _MM_HINT_T1);
+        _mm_prefetch(nx + 2 * sizeof(BlockQ8_0) - 1, _MM_HINT_T1);
+      }
+    }
     __m512i x0, x1;
     act_planes_2(a + b, x0, x1);
     const float d0 = a[b].d * (ONE_PLANE ? PLANE_SHIFT : 1), d1 = a[b + 1].d * (ONE_PLANE ? PLANE_SHIFT : 1);

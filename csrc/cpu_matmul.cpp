@@ -296,7 +296,7 @@ DotRowsQ4G pick_dot_rows_q4g(int n_rows, bool ahead = false, bool next = false) 
   return one ? HS_PICK_ROWS(dot_q4_0_rows_wide1) : HS_PICK_ROWS(dot_q4_0_rows_wide2);
 }
 
-// Whether listed Q4_0 rows side by side ask for the next group's rows while they compute (HS_NEXT_ROWS=0:
+// Whether listed rows side by side (Q4_0, Q8_0, F16) ask for the next group's rows while they compute (HS_NEXT_ROWS=0:
 // not; read per call; see dot_q4_0_rows_wide's NEXT). Dev VM's Zen 4, 7B rows (4096 x 11008 Q4_0, from
 // memory, 33% listed, alternating in one process, medians): the sparse row-dot 7.2 -> 12.0 GiB/s on one
 // thread, 12.3 -> 16.8 on two (a GEMV over all rows: 14.7 / 24.6); the fused gated FFN, its down rows asked
@@ -313,6 +313,16 @@ std::vector<ActQ4G> arranged_q4g(const std::vector<ActQ8>& act, int64_t T, int64
     arrange_q4g_avx512(act.data(), nb, g.data());
   }
   return g;
+}
+
+// Q8_0 rows side by side asking for the next group's rows meanwhile (rows[n..2n-1]; AVX-512 only, else null)
+template <int R>
+HS_AVX512 void dot_q8_0_rows_avx512n(const void* const* r, const ActQ8* a, int64_t nb, float* o) { dot_q8_0_rows_avx512<R, false, true>(r, a, nb, o); }
+template <int R>
+HS_AVX512 void dot_q8_0_rows_avx512_1n(const void* const* r, const ActQ8* a, int64_t nb, float* o) { dot_q8_0_rows_avx512<R, true, true>(r, a, nb, o); }
+DotRowsQ8 pick_dot_rows_q8_next(int64_t qtype, int n_rows) {
+  if (qtype != Q8_0 || !cpu_has_avx512()) return nullptr;
+  return act_planes() == 1 ? HS_PICK_ROWS(dot_q8_0_rows_avx512_1n) : HS_PICK_ROWS(dot_q8_0_rows_avx512n);
 }
 
 // (for activations quantized in this call: act_planes() is read per call by both)
@@ -455,17 +465,19 @@ std::vector<at::Tensor> qmatmul_rows_cpu(const std::vector<at::Tensor>& ws, cons
       }
       if (side > 1) {
         const auto dots = side_dots(side);
-        // Q4_0 and F16: each group asks for the next one's rows while it computes (next_rows)
+        // Q4_0, F16 and Q8_0: each group asks for the next one's rows while it computes (next_rows)
         const bool next = next_rows();
         const DotRowsQ4G dots_next = wide && next ? pick_dot_rows_q4g(side, false, true) : nullptr;
         const DotRows dots_next_f = qtype == F16 && next ? pick_dot_rows_next(side) : nullptr;
+        const DotRowsQ8 dots_next_q = next ? pick_dot_rows_q8_next(qtype, side) : nullptr;
         const void* rws[16];
         for (; k + side <= k_end; k += side) {
           for (int j = 0; j < side; ++j) rws[j] = wp + static_cast<int64_t>(idx[k + j]) * row_bytes;
-          if ((dots_next || dots_next_f) && k + 2 * side <= k_end) {
+          if ((dots_next || dots_next_f || dots_next_q) && k + 2 * side <= k_end) {
             for (int j = 0; j < side; ++j) rws[side + j] = wp + static_cast<int64_t>(idx[k + side + j]) * row_bytes;
             if (dots_next) dots_next(rws, act4.data(), act32.data(), nb, yp + k);
-            else dots_next_f(rws, xp, K, yp + k);
+            else if (dots_next_f) dots_next_f(rws, xp, K, yp + k);
+            else dots_next_q(rws, act32.data(), nb, yp + k);
           } else {
             dots(rws, yp + k);
           }
@@ -858,6 +870,7 @@ bool sparse_ffn_fused_cpu(const at::Tensor& x, const at::Tensor& up, int64_t up_
         // F16: each group asks for the next one's rows while it computes (next_rows; within a claimed chunk)
         const DotRows dots_n = up_type == F16 && next_rows() ? pick_dot_rows_next(side_by_side * per) : nullptr;
         const DotRowsQ8 dots_q = up_type == F16 ? nullptr : pick_dot_rows_q8(up_type, side_by_side * per);
+        const DotRowsQ8 dots_qn = next_rows() ? pick_dot_rows_q8_next(up_type, side_by_side * per) : nullptr;
 #ifdef HS_X86
         const DotRowsQ4G dots_w = act4.empty() ? nullptr : pick_dot_rows_q4g(side_by_side * per);
         // Q4_0: each group asks for the next one's rows while it computes (next_rows; within a claimed chunk)
@@ -871,7 +884,7 @@ bool sparse_ffn_fused_cpu(const at::Tensor& x, const at::Tensor& up, int64_t up_
             rws[j * per] = upp + r * rb;
             if (gated) rws[j * per + 1] = gp + r * rb;
           }
-          const bool ask = (dots_n || dots_wn) && k + 2 * side_by_side <= r1;
+          const bool ask = (dots_n || dots_wn || dots_qn) && k + 2 * side_by_side <= r1;
           if (ask) {  // the next group's rows after this one's
             const int n = side_by_side * per;
             for (int j = 0; j < side_by_side; ++j) {
@@ -885,7 +898,7 @@ bool sparse_ffn_fused_cpu(const at::Tensor& x, const at::Tensor& up, int64_t up_
           else if (ask && dots_wn) dots_wn(rws, act4.data(), act32.data(), nb, val);
           else if (dots_w) dots_w(rws, act4.data(), act32.data(), nb, val);
 #endif
-          else dots_q(rws, act32.data(), nb, val);
+          else (ask && dots_qn ? dots_qn : dots_q)(rws, act32.data(), nb, val);
           for (int j = 0; j < side_by_side; ++j) {
             const int64_t r = ip[k + j];
             const float h = activation(r, val[j * per], gated ? val[j * per + 1] : 0.f);

@@ -364,11 +364,11 @@ def test_wide_q4_0_dots(planes, K, rows, monkeypatch):
         assert torch.equal(kernels.matmul(x, w, Q.Q4_0), results["1"][2]), f"HS_Q4_PREFETCH={pf}"
 
 
-@pytest.mark.parametrize("qtype,planes", [(Q.F16, "2"), (Q.Q4_0, "2"), (Q.Q4_0, "1")])
+@pytest.mark.parametrize("qtype,planes", [(Q.F16, "2"), (Q.Q4_0, "2"), (Q.Q4_0, "1"), (Q.Q8_0, "2"), (Q.Q8_0, "1")])
 @pytest.mark.parametrize("rows", ["8", "4"])
 def test_next_rows_ask_changes_nothing(qtype, planes, rows, monkeypatch):
-    """Listed rows side by side asking for the next group's rows while they compute (HS_NEXT_ROWS, float16
-    and the four-blocks Q4_0 dots) or not: the same row-dot sums and FFN activations bit for bit (the ask
+    """Listed rows side by side asking for the next group's rows while they compute (HS_NEXT_ROWS, float16,
+    Q8_0 and the four-blocks Q4_0 dots) or not: the same row-dot sums and FFN activations bit for bit (the ask
     only moves data), the FFN's y within float rounding (threads claim neurons as they go, so their
     partial sums add in any order); several groups, the last without a next one."""
     monkeypatch.setenv("HS_ACT_PLANES", planes)
