@@ -236,15 +236,15 @@ bool has_dot_rows(int64_t qtype) {
   (n_rows == 2 ? kernel<2> : n_rows == 4 ? kernel<4> : n_rows == 8 ? kernel<8> : kernel<1>)
 // the dots of n_rows rows side by side: float16 rows against x, Q8_0/Q4_0/Q5_0 rows against the
 // quantized x (null for other types)
-DotRows pick_dot_rows(int n_rows) {
-  return cpu_has_avx512() ? HS_PICK_ROWS(dot_f16_rows_avx512) : HS_PICK_ROWS(dot_f16_rows_avx2);
-}
-// float16 rows side by side asking for the next group's rows meanwhile (rows[n..2n-1]; AVX-512 only, else null)
+// next: the kernel that also asks for the next group's rows, rows[n..2n-1] (AVX-512; elsewhere the plain one)
 template <int R>
 HS_AVX512 void dot_f16_rows_avx512n(const void* const* r, const float* x, int64_t n, float* o) {
   dot_f16_rows_avx512<R, true>(r, x, n, o);
 }
-DotRows pick_dot_rows_next(int n_rows) { return cpu_has_avx512() ? HS_PICK_ROWS(dot_f16_rows_avx512n) : nullptr; }
+DotRows pick_dot_rows(int n_rows, bool next = false) {
+  if (!cpu_has_avx512()) return HS_PICK_ROWS(dot_f16_rows_avx2);
+  return next ? HS_PICK_ROWS(dot_f16_rows_avx512n) : HS_PICK_ROWS(dot_f16_rows_avx512);
+}
 template <int R>
 HS_AVX512 void dot_q4_0_rows_vnni(const void* const* r, const ActQ8* a, int64_t nb, float* o) { isa_vnni::dot_q45_0_rows<Q4_0, R>(r, a, nb, o); }
 template <int R>
@@ -315,19 +315,18 @@ std::vector<ActQ4G> arranged_q4g(const std::vector<ActQ8>& act, int64_t T, int64
   return g;
 }
 
-// Q8_0 rows side by side asking for the next group's rows meanwhile (rows[n..2n-1]; AVX-512 only, else null)
+// Q8_0 rows side by side asking for the next group's rows meanwhile (rows[n..2n-1])
 template <int R>
 HS_AVX512 void dot_q8_0_rows_avx512n(const void* const* r, const ActQ8* a, int64_t nb, float* o) { dot_q8_0_rows_avx512<R, false, true>(r, a, nb, o); }
 template <int R>
 HS_AVX512 void dot_q8_0_rows_avx512_1n(const void* const* r, const ActQ8* a, int64_t nb, float* o) { dot_q8_0_rows_avx512<R, true, true>(r, a, nb, o); }
-DotRowsQ8 pick_dot_rows_q8_next(int64_t qtype, int n_rows) {
-  if (qtype != Q8_0 || !cpu_has_avx512()) return nullptr;
-  return act_planes() == 1 ? HS_PICK_ROWS(dot_q8_0_rows_avx512_1n) : HS_PICK_ROWS(dot_q8_0_rows_avx512n);
-}
 
-// (for activations quantized in this call: act_planes() is read per call by both)
-DotRowsQ8 pick_dot_rows_q8(int64_t qtype, int n_rows) {
+// (for activations quantized in this call: act_planes() is read per call by both); next: for Q8_0 on AVX-512,
+// the kernel that also asks for the next group's rows, rows[n..2n-1] (elsewhere the plain one)
+DotRowsQ8 pick_dot_rows_q8(int64_t qtype, int n_rows, bool next = false) {
   const bool vnni = cpu_has_avx512();
+  if (next && vnni && qtype == Q8_0)
+    return act_planes() == 1 ? HS_PICK_ROWS(dot_q8_0_rows_avx512_1n) : HS_PICK_ROWS(dot_q8_0_rows_avx512n);
   if (act_planes() == 1) {  // the second plane is zero: one dot per block
     if (qtype == Q4_0) return vnni ? HS_PICK_ROWS(dot_q4_0_rows_vnni1) : HS_PICK_ROWS(dot_q4_0_rows_avx2_1);
     if (qtype == Q5_0) return vnni ? HS_PICK_ROWS(dot_q5_0_rows_vnni1) : HS_PICK_ROWS(dot_q5_0_rows_avx2_1);
@@ -439,11 +438,12 @@ std::vector<at::Tensor> qmatmul_rows_cpu(const std::vector<at::Tensor>& ws, cons
       // next to each other in memory go faster one at a time: the hardware prefetcher follows them)
       const int side = (T == 1 && !pf && idx && 2 * M < N && has_dot_rows(qtype)) ? ffn_rows() : 1;
       const bool wide = qtype == Q4_0 && !act4.empty();  // one token: Q4_0 rows four blocks at a time
-      // the dots of n rows side by side against this token, one kernel picked per use
-      const auto side_dots = [&](int n) {
-        const DotRows dots = is_float ? pick_dot_rows(n) : nullptr;
-        const DotRowsQ8 dots_q = is_float ? nullptr : pick_dot_rows_q8(qtype, n);
-        const DotRowsQ4G dots_w = wide ? pick_dot_rows_q4g(n) : nullptr;
+      // the dots of n rows side by side against this token, one kernel picked per use (next: the kernel that
+      // also asks for the next group's rows, rows[n..2n-1], where the type has one)
+      const auto side_dots = [&](int n, bool next) {
+        const DotRows dots = is_float ? pick_dot_rows(n, next) : nullptr;
+        const DotRowsQ8 dots_q = is_float ? nullptr : pick_dot_rows_q8(qtype, n, next);
+        const DotRowsQ4G dots_w = wide ? pick_dot_rows_q4g(n, false, next) : nullptr;
         return [=, &act4, &act32](const void* const* rws, float* out) {
           if (dots) dots(rws, xp, K, out);
           else if (dots_w) dots_w(rws, act4.data(), act32.data(), nb, out);
@@ -452,7 +452,7 @@ std::vector<at::Tensor> qmatmul_rows_cpu(const std::vector<at::Tensor>& ws, cons
       };
       const int streams = (T == 1 && !pf && !idx && has_dot_rows(qtype)) ? gemv_streams() : 1;
       if (streams > 1 && k_end - k >= 4 * streams) {  // a dense GEMV: runs of L rows, one of each side by side
-        const auto dots = side_dots(streams);
+        const auto dots = side_dots(streams, false);
         const int64_t L = (k_end - k) / streams;
         const void* rws[4];
         float outs[4];
@@ -464,23 +464,16 @@ std::vector<at::Tensor> qmatmul_rows_cpu(const std::vector<at::Tensor>& ws, cons
         k += streams * L;  // the last (k_end - k) % streams rows: one at a time below
       }
       if (side > 1) {
-        const auto dots = side_dots(side);
-        // Q4_0, F16 and Q8_0: each group asks for the next one's rows while it computes (next_rows)
+        // each group but the last asks for the next one's rows while it computes (next_rows)
         const bool next = next_rows();
-        const DotRowsQ4G dots_next = wide && next ? pick_dot_rows_q4g(side, false, true) : nullptr;
-        const DotRows dots_next_f = qtype == F16 && next ? pick_dot_rows_next(side) : nullptr;
-        const DotRowsQ8 dots_next_q = next ? pick_dot_rows_q8_next(qtype, side) : nullptr;
+        const auto dots = side_dots(side, false), dots_ask = side_dots(side, next);
         const void* rws[16];
         for (; k + side <= k_end; k += side) {
           for (int j = 0; j < side; ++j) rws[j] = wp + static_cast<int64_t>(idx[k + j]) * row_bytes;
-          if ((dots_next || dots_next_f || dots_next_q) && k + 2 * side <= k_end) {
+          const bool ask = next && k + 2 * side <= k_end;
+          if (ask)
             for (int j = 0; j < side; ++j) rws[side + j] = wp + static_cast<int64_t>(idx[k + side + j]) * row_bytes;
-            if (dots_next) dots_next(rws, act4.data(), act32.data(), nb, yp + k);
-            else if (dots_next_f) dots_next_f(rws, xp, K, yp + k);
-            else dots_next_q(rws, act32.data(), nb, yp + k);
-          } else {
-            dots(rws, yp + k);
-          }
+          (ask ? dots_ask : dots)(rws, yp + k);
         }
       }
       if (wide) {  // the rest one at a time (every row, when they are not listed sparsely)
@@ -757,10 +750,11 @@ bool sparse_ffn_fused_cpu(const at::Tensor& x, const at::Tensor& up, int64_t up_
   AxpyGroup group;
   pick_axpy(down_type, direct, group);
   if (!group) return false;
-  // one token's Q4_0 down rows: a group's axpy runs once the group after it is queued, asking for its rows
-  // meanwhile (next_rows)
+  // listed rows side by side ask for the next group's rows while they compute (next_rows); one token's Q4_0
+  // down rows: a group's axpy runs once the group after it is queued, asking for its rows meanwhile
+  const bool ask_next = next_rows();
   const AxpyGroup group_next =
-      x.size(0) == 1 && !masked && down_type == Q4_0 && cpu_has_avx512() && next_rows() ? axpy_group_q4_0_avx512_next : nullptr;
+      x.size(0) == 1 && !masked && down_type == Q4_0 && cpu_has_avx512() && ask_next ? axpy_group_q4_0_avx512_next : nullptr;
   HS_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(), "sparse_ffn: x must be contiguous float32");
   const int64_t T = x.size(0), K = x.size(1);
   check_weight(up, up_type, K, "sparse_ffn");
@@ -865,16 +859,15 @@ bool sparse_ffn_fused_cpu(const at::Tensor& x, const at::Tensor& up, int64_t up_
     const auto share = [&](const int64_t r0, const int64_t r1) {
       int64_t k = r0;
       if (side_by_side > 1) {  // one token: `side_by_side` neurons' rows streamed together
-        const int per = gated ? 2 : 1;
-        const DotRows dots = up_type == F16 ? pick_dot_rows(side_by_side * per) : nullptr;
-        // F16: each group asks for the next one's rows while it computes (next_rows; within a claimed chunk)
-        const DotRows dots_n = up_type == F16 && next_rows() ? pick_dot_rows_next(side_by_side * per) : nullptr;
-        const DotRowsQ8 dots_q = up_type == F16 ? nullptr : pick_dot_rows_q8(up_type, side_by_side * per);
-        const DotRowsQ8 dots_qn = next_rows() ? pick_dot_rows_q8_next(up_type, side_by_side * per) : nullptr;
+        const int per = gated ? 2 : 1, n = side_by_side * per;
+        // [1]: the kernel that also asks for the next group's rows (within a claimed chunk), where the type has one
+        const bool f16 = up_type == F16;
+        const DotRows dots[2] = {f16 ? pick_dot_rows(n) : nullptr, f16 ? pick_dot_rows(n, ask_next) : nullptr};
+        const DotRowsQ8 dots_q[2] = {f16 ? nullptr : pick_dot_rows_q8(up_type, n),
+                                     f16 ? nullptr : pick_dot_rows_q8(up_type, n, ask_next)};
 #ifdef HS_X86
-        const DotRowsQ4G dots_w = act4.empty() ? nullptr : pick_dot_rows_q4g(side_by_side * per);
-        // Q4_0: each group asks for the next one's rows while it computes (next_rows; within a claimed chunk)
-        const DotRowsQ4G dots_wn = act4.empty() || !next_rows() ? nullptr : pick_dot_rows_q4g(side_by_side * per, false, true);
+        const DotRowsQ4G dots_w[2] = {act4.empty() ? nullptr : pick_dot_rows_q4g(n),
+                                      act4.empty() ? nullptr : pick_dot_rows_q4g(n, false, ask_next)};
 #endif
         const void* rws[16];
         float val[8];
@@ -884,21 +877,19 @@ bool sparse_ffn_fused_cpu(const at::Tensor& x, const at::Tensor& up, int64_t up_
             rws[j * per] = upp + r * rb;
             if (gated) rws[j * per + 1] = gp + r * rb;
           }
-          const bool ask = (dots_n || dots_wn || dots_qn) && k + 2 * side_by_side <= r1;
+          const int ask = ask_next && k + 2 * side_by_side <= r1;
           if (ask) {  // the next group's rows after this one's
-            const int n = side_by_side * per;
             for (int j = 0; j < side_by_side; ++j) {
               const int64_t r = ip[k + side_by_side + j];
               rws[n + j * per] = upp + r * rb;
               if (gated) rws[n + j * per + 1] = gp + r * rb;
             }
           }
-          if (dots) (ask && dots_n ? dots_n : dots)(rws, xp, K, val);
+          if (f16) dots[ask](rws, xp, K, val);
 #ifdef HS_X86
-          else if (ask && dots_wn) dots_wn(rws, act4.data(), act32.data(), nb, val);
-          else if (dots_w) dots_w(rws, act4.data(), act32.data(), nb, val);
+          else if (dots_w[0]) dots_w[ask](rws, act4.data(), act32.data(), nb, val);
 #endif
-          else (ask && dots_qn ? dots_qn : dots_q)(rws, act32.data(), nb, val);
+          else dots_q[ask](rws, act32.data(), nb, val);
           for (int j = 0; j < side_by_side; ++j) {
             const int64_t r = ip[k + j];
             const float h = activation(r, val[j * per], gated ? val[j * per + 1] : 0.f);
