@@ -215,14 +215,15 @@ def test_attention_benchmark_writes_json(tmp_path):
 
 
 def test_scenario_table_goes_into_the_readme(tmp_path):
-    run = {"machine": {"cpu": "X", "gpu": "G", "cpu_threads_available": 16}, "model": "/m/relu-falcon-40b-f16.gguf",
+    run = {"machine": {"cpu": "X", "gpu": "G", "cpu_threads_available": 16, "cpu_read_bandwidth_gib_s": 83.14},
+           "model": "/m/relu-falcon-40b-f16.gguf",
            "mode": "predictor", "generated_tokens": 32, "threads": 16, "scenario": "S1: Falcon",
            "runs": [{"engine": "hybrid", "vram_budget": 24.0, "decode_tok_s": 22.0, "fraction_of_bound": 0.8,
                      "prefill_tok_s": 31.25, "peak_device_bytes": 23 << 30},
                     {"engine": "layer split", "vram_budget": 24.0, "ngl": 17, "decode_tok_s": 2.0,
                      "fraction_of_bound": 0.9, "prefill_tok_s": 4.0, "peak_device_bytes": 22 << 30}]}
     table = bench.scenario_table([run])
-    assert "| S1 | relu-falcon-40b-f16.gguf | G + 16-thread CPU | 16 | 24 GiB | 22.00 | 2.00 | 11.00x | 80% | 90% | 31.2 | 4.0 | 23.00 |" in table
+    assert "| S1 | relu-falcon-40b-f16.gguf | G + 16-thread CPU | 83.1 | 16 | 24 GiB | 22.00 | 2.00 | 11.00x | 80% | 90% | 31.2 | 4.0 | 23.00 |" in table
     readme = tmp_path / "README.md"
     readme.write_text(f"intro\n{bench.README_BEGIN}\nold\n{bench.README_END}\nrest\n")
     bench.update_readme(readme, table)
