@@ -31,6 +31,8 @@
 #   at 16 threads and HS_S5_T2=1 also at 2
 #   nextrows: listed Q4_0 rows asking for the next group's rows or not (HS_NEXT_ROWS=1/0), the row-dot at 1 and 16
 #   threads, then S2's step with and without, alternating
+#   pages: listed rows from 4 KiB pages vs 2 MiB pages (anonymous, tmpfs, a file on disk; 1 and 16 threads), then S2's
+#   step with its model in /dev/shm (tmpfs: 4 KiB pages) and on disk (page-cache large folios: 2 MiB pages), alternating
 #   s5run: S5's model through hs-run, CPU-only sparse (--vram-budget 0) vs dense (-ngl 0), 16 threads, alternating
 #   pollab: S5's CPU-only sparse decode (16 threads, HS_POLL_T) through hs-run and through hs-bench's child process
 #   alone and beside another process reading NVML every HS_POLL_PERIODS seconds (the parent's peak-memory poll),
@@ -288,6 +290,22 @@ write_s5_model
   | grep -v "^hybrid:\|placing layers" | tee "$OUT/profile_s5.txt" | tail -50
 HS_THREADS=${HS_POLL_T:-16} timeout 200 python3 tests/gpu/cpu_step_parts.py $M5 32 2>&1 \
   | tr '\r' '\n' | grep -v "placing layers\|^ *$" | tee "$OUT/s5-parts.txt" | tail -14
+fi
+if [[ $STAGES == *,pages,* ]]; then  # 4 KiB vs 2 MiB pages under listed rows, then S2's model in /dev/shm vs on disk
+mkdir -p hs-disk
+for t in ${HS_PAGE_TYPES:-Q4_0}; do
+  T=$t TH=1,16 HP_DIR=hs-disk timeout 200 python3 tests/gpu/hugepage_rows_bench.py 2>&1 | grep -v Warn | tee -a "$OUT/pages-rows.txt"
+done
+M70=/dev/shm/relu-llama-2-70b-q4_0-powerinfer.gguf
+[ -f $M70 ] || hs-bench synth --shape relu-llama-2-70b --dtype q4_0 --layout powerinfer -o /dev/shm 2>&1 | tail -1
+[ -f hs-disk/$(basename $M70) ] || ( time cp $M70 hs-disk/ ) 2>&1 | grep real
+for r in ${HS_PAGE_ROUNDS:-1 2}; do
+  for m in $M70 hs-disk/$(basename $M70); do
+    echo "$m" | tee -a "$OUT/pages-s2.txt"
+    HS_PROFILE_MODES=poll,poll timeout 150 python3 tests/gpu/profile_hybrid.py $m 11 predictor 12 2>&1 \
+      | grep --line-buffered -E "per token|model mapping" | tee -a "$OUT/pages-s2.txt"
+  done
+done
 fi
 if [[ $STAGES == *,s5run,* ]]; then  # S5's model through hs-run, CPU-only sparse vs dense (-ngl 0), alternating
 write_s5_model
