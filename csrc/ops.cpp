@@ -45,6 +45,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qmatmul", &hs::qmatmul_cpu);
   m.def("qmatmul_multi", &hs::qmatmul_multi_cpu);
   m.def("argmax", &hs::argmax_cpu);
+  m.def("read_rows", &hs::read_rows_cpu, "benchmarks: the listed rows of w read as the sparse kernels read them "
+        "(side by side, asking ahead), their bytes summed: the memory's ceiling for the pattern");
   m.def("cpu_path", &hs::cpu_path);
   m.def("quantize_act_bytes", &hs::quantize_act_bytes, "tests: the activation quantization (ActQ8 / ActQ8K) as bytes");
   m.def("qmatmul_rows", &hs::qmatmul_rows_cpu, "y_i = x . W_i[idx_i]^T (idx_i None: all rows)");

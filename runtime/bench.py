@@ -691,13 +691,15 @@ def _table(args) -> int:
         where = f"{m['gpu']}" if on_gpu else f"{m['cpu']}, {d['threads']} threads"
         print(f"\nSparse ops on {where}, read bandwidth {bw} GiB/s (GiB/s on the bytes of the rows each op must "
               "read; % of that bandwidth):\n")
-        print("| FFN rows | type | density | row-dot GiB/s | axpy GiB/s | torch gather+GEMV GiB/s | torch dense GEMV GiB/s |")
-        print("|---|---|---|---|---|---|---|")
+        print("| FFN rows | type | density | row-dot GiB/s | axpy GiB/s | rows only read GiB/s | "
+              "torch gather+GEMV GiB/s | torch dense GEMV GiB/s |")
+        print("|---|---|---|---|---|---|---|---|")
         for r in d["results"]:
             torch_g = f"{r['torch_gather_gemv_gib_s']:.1f}" if "torch_gather_gemv_gib_s" in r else ""
             torch_d = f"{r['torch_dense_gemv_gib_s']:.1f}" if "torch_dense_gemv_gib_s" in r else ""
+            read = f"{r['rows_read_gib_s']:.1f} ({r['rows_read_gib_s'] / bw:.0%})" if "rows_read_gib_s" in r else ""
             print(f"| {r['shape']} | {r['type']} | {r['density']:.0%} | {r['rowdot_gib_s']:.1f} "
-                  f"({r['rowdot_gib_s'] / bw:.0%}) | {r['axpy_gib_s']:.1f} ({r['axpy_gib_s'] / bw:.0%}) | "
+                  f"({r['rowdot_gib_s'] / bw:.0%}) | {r['axpy_gib_s']:.1f} ({r['axpy_gib_s'] / bw:.0%}) | {read} | "
                   f"{torch_g} | {torch_d} |")
     return 0
 
@@ -831,6 +833,13 @@ def _kernels(args) -> int:
                 entry = {"shape": shape, "type": tname, "density": dens, "rows": m,
                          "rowdot_gib_s": gib / t_dot, "axpy_gib_s": gib / t_axpy,
                          "rowdot_of_bandwidth": gib / t_dot / bw, "axpy_of_bandwidth": gib / t_axpy / bw}
+                if not cuda and kernels.available():
+                    # the same rows read as the kernels read them (8 side by side, the next 8 asked for) and
+                    # only summed: the memory's ceiling for this pattern, against which the ops' shortfall is
+                    # arithmetic (csrc/cpu_probe.cpp)
+                    t_read = _time(lambda: kernels.cpu.read_rows(w, idx, 8, True), args.reps, cuda,
+                                   lambda: kernels.cpu.read_rows(small, small_idx, 8, True))
+                    entry["rows_read_gib_s"] = gib / t_read
                 if cuda:
                     mask = torch.zeros(n_ff, dtype=torch.bool, device=dev)
                     mask[idx.long()] = True
@@ -846,6 +855,7 @@ def _kernels(args) -> int:
                       f"({entry['rowdot_of_bandwidth']:4.0%})  axpy {entry['axpy_gib_s']:7.1f} GiB/s "
                       f"({entry['axpy_of_bandwidth']:4.0%})"
                       + (f"  mask-rowdot {entry['rowdot_mask_gib_s']:7.1f}" if cuda else "")
+                      + (f"  rows read {entry['rows_read_gib_s']:7.1f}" if "rows_read_gib_s" in entry else "")
                       + (f"  torch gather+GEMV {entry['torch_gather_gemv_gib_s']:7.1f}  torch dense "
                          f"{entry['torch_dense_gemv_gib_s']:7.1f}" if is_float else ""), flush=True)
     result = {"machine": {**machine(), "device": args.device, "read_bandwidth_gib_s": round(bw, 1)},

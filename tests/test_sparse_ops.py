@@ -782,3 +782,36 @@ def test_matmul_fused_on_the_cpu_is_its_steps(qtype, norm, act, act_on_up):
     twin = kernels.matmul_fused_reference(x, w, qtype, n, act, act_on_up)
     tol = 1e-4 if qtype == Q.F16 else 2e-2  # the CPU reads x in 8-bit planes for block formats
     torch.testing.assert_close(got, twin, rtol=tol, atol=tol * max(1.0, twin.abs().max().item()))
+
+
+@pytest.mark.parametrize("width", [1, 63, 64, 2880, 4609])
+@pytest.mark.parametrize("side,ahead", [(1, False), (3, True), (8, False), (8, True), (16, True)])
+@pytest.mark.parametrize("n_threads", [1, 2])
+def test_read_rows_sums_the_listed_rows(width, side, ahead, n_threads, threads):
+    """hs-bench's ceiling probe (csrc/cpu_probe.cpp) reads every listed row once, whole, whatever the row
+    width (tails past the last 64-byte line too), grouping, asking ahead and thread count: the sum of the
+    bytes it returns is numpy's over the same rows"""
+    g = torch.Generator().manual_seed(width)
+    w = torch.randint(0, 256, (97, width), dtype=torch.uint8, generator=g)
+    sets = index_sets(97)
+    torch.set_num_threads(n_threads)
+    for which in ("empty", "single", "all", "unsorted"):
+        idx = sets[which].contiguous()
+        assert kernels.cpu.read_rows(w, idx, side, ahead) == int(w[idx.long()].to(torch.int64).sum()), which
+    if width % 2 == 0:  # any element type: its bytes
+        idx = sets["unsorted"].contiguous()
+        assert kernels.cpu.read_rows(w.view(torch.float16), idx, side, ahead) == int(w[idx.long()].to(torch.int64).sum())
+
+
+@pytest.mark.parametrize("bad,match", [
+    (lambda w: (w, torch.tensor([97], dtype=torch.int32), 8, True), "index 97 out of range for 97 rows"),
+    (lambda w: (w, torch.tensor([-1], dtype=torch.int32), 8, True), "index -1 out of range"),
+    (lambda w: (w, torch.tensor([1], dtype=torch.int64), 8, True), "idx must be a contiguous int32"),
+    (lambda w: (w, torch.tensor([1], dtype=torch.int32), 17, True), "side must be 1..16, got 17"),
+    (lambda w: (w, torch.tensor([1], dtype=torch.int32), 0, True), "side must be 1..16, got 0"),
+    (lambda w: (w.t(), torch.tensor([1], dtype=torch.int32), 8, True), "w must be a contiguous 2-D"),
+])
+def test_read_rows_refuses_bad_arguments(bad, match):
+    w = torch.zeros(97, 64, dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match=match):
+        kernels.cpu.read_rows(*bad(w))
