@@ -33,6 +33,8 @@
 #   threads, then S2's step with and without, alternating
 #   pages: listed rows from 4 KiB pages vs 2 MiB pages (anonymous, tmpfs, a file on disk; 1 and 16 threads), then S2's
 #   step with its model in /dev/shm (tmpfs: 4 KiB pages) and on disk (page-cache large folios: 2 MiB pages), alternating
+#   ceiling: listed rows only read (csrc/cpu_probe.cpp) against the row-dot, Q4_0 13B / 70B and F16 13B rows, 1 and 16
+#   threads (tests/gpu/read_ceiling_bench.py)
 #   s5run: S5's model through hs-run, CPU-only sparse (--vram-budget 0) vs dense (-ngl 0), 16 threads, alternating
 #   pollab: S5's CPU-only sparse decode (16 threads, HS_POLL_T) through hs-run and through hs-bench's child process
 #   alone and beside another process reading NVML every HS_POLL_PERIODS seconds (the parent's peak-memory poll),
@@ -306,6 +308,11 @@ for r in ${HS_PAGE_ROUNDS:-1 2}; do
       | grep --line-buffered -E "per token|model mapping" | tee -a "$OUT/pages-s2.txt"
   done
 done
+fi
+if [[ $STAGES == *,ceiling,* ]]; then  # the memory's ceiling for scattered rows against the row-dot
+( T=Q4_0 TH=1,16 timeout 120 python3 tests/gpu/read_ceiling_bench.py
+  K=8192 T=Q4_0 TH=16 D=0.1,0.27,1.0 timeout 90 python3 tests/gpu/read_ceiling_bench.py
+  T=F16 TH=16 D=0.1,0.33,1.0 timeout 90 python3 tests/gpu/read_ceiling_bench.py ) 2>&1 | tee "$OUT/read-ceiling.txt"
 fi
 if [[ $STAGES == *,s5run,* ]]; then  # S5's model through hs-run, CPU-only sparse vs dense (-ngl 0), alternating
 write_s5_model
