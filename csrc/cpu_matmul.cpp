@@ -301,8 +301,12 @@ DotRowsQ4G pick_dot_rows_q4g(int n_rows, bool ahead = false, bool next = false) 
 // memory, 33% listed, alternating in one process, medians): the sparse row-dot 7.2 -> 12.0 GiB/s on one
 // thread, 12.3 -> 16.8 on two (a GEMV over all rows: 14.7 / 24.6); the fused gated FFN, its down rows asked
 // for a group ahead too, 7.2 -> 9.5 and 13.3 -> 16.7 (8.5 and 15.2 without the down rows). Not yet measured
-// on the GPU machine's Xeon.
-bool next_rows() { return !env_off("HS_NEXT_ROWS"); }
+// on the GPU machine's Xeon. The Xeon (H100 host, session 29, tests/gpu/rows_in_flight_bench.py, 13B rows from
+// memory, 16 threads, 33% listed): Q4_0 51.9 -> 65.6 GiB/s, Q8_0 41.9 -> 63.8, float16 68.5 -> 86.8.
+// HS_NEXT_ROWS=N (1-4): the rows of the group N groups ahead instead, for memory whose latency one group's
+// time does not cover (the Xeon with 16 threads busy; the group N ahead must lie within the same share or
+// claimed chunk, so the fused FFN's chunks, HS_FFN_CHUNK, must then hold more than N + 1 groups to gain).
+int next_groups() { return static_cast<int>(std::clamp<long long>(env_int("HS_NEXT_ROWS", 1), 0, 4)); }
 
 // The arranged activations of one token for the wide Q4_0 dots, or empty where they are off (not one
 // token, not Q4_0, no VBMI, HS_Q4_WIDE=0): the groups of four blocks of act (nb blocks)
@@ -464,15 +468,15 @@ std::vector<at::Tensor> qmatmul_rows_cpu(const std::vector<at::Tensor>& ws, cons
         k += streams * L;  // the last (k_end - k) % streams rows: one at a time below
       }
       if (side > 1) {
-        // each group but the last asks for the next one's rows while it computes (next_rows)
-        const bool next = next_rows();
-        const auto dots = side_dots(side, false), dots_ask = side_dots(side, next);
+        // each group but the last asks for the rows of the group next_groups() ahead while it computes
+        const int64_t dist = next_groups() * side;  // 0: no ask
+        const auto dots = side_dots(side, false), dots_ask = side_dots(side, dist > 0);
         const void* rws[16];
         for (; k + side <= k_end; k += side) {
           for (int j = 0; j < side; ++j) rws[j] = wp + static_cast<int64_t>(idx[k + j]) * row_bytes;
-          const bool ask = next && k + 2 * side <= k_end;
+          const bool ask = dist && k + dist + side <= k_end;
           if (ask)
-            for (int j = 0; j < side; ++j) rws[side + j] = wp + static_cast<int64_t>(idx[k + side + j]) * row_bytes;
+            for (int j = 0; j < side; ++j) rws[side + j] = wp + static_cast<int64_t>(idx[k + dist + j]) * row_bytes;
           (ask ? dots_ask : dots)(rws, yp + k);
         }
       }
@@ -750,9 +754,10 @@ bool sparse_ffn_fused_cpu(const at::Tensor& x, const at::Tensor& up, int64_t up_
   AxpyGroup group;
   pick_axpy(down_type, direct, group);
   if (!group) return false;
-  // listed rows side by side ask for the next group's rows while they compute (next_rows); one token's Q4_0
+  // listed rows side by side ask for the next group's rows while they compute (next_groups); one token's Q4_0
   // down rows: a group's axpy runs once the group after it is queued, asking for its rows meanwhile
-  const bool ask_next = next_rows();
+  const int ahead_groups = next_groups();
+  const bool ask_next = ahead_groups > 0;
   const AxpyGroup group_next =
       x.size(0) == 1 && !masked && down_type == Q4_0 && cpu_has_avx512() && ask_next ? axpy_group_q4_0_avx512_next : nullptr;
   HS_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(), "sparse_ffn: x must be contiguous float32");
@@ -877,10 +882,11 @@ bool sparse_ffn_fused_cpu(const at::Tensor& x, const at::Tensor& up, int64_t up_
             rws[j * per] = upp + r * rb;
             if (gated) rws[j * per + 1] = gp + r * rb;
           }
-          const int ask = ask_next && k + 2 * side_by_side <= r1;
-          if (ask) {  // the next group's rows after this one's
+          const int64_t dist = ahead_groups * side_by_side;
+          const int ask = ask_next && k + dist + side_by_side <= r1;
+          if (ask) {  // the rows of the group `ahead_groups` after this one
             for (int j = 0; j < side_by_side; ++j) {
-              const int64_t r = ip[k + side_by_side + j];
+              const int64_t r = ip[k + dist + j];
               rws[n + j * per] = upp + r * rb;
               if (gated) rws[n + j * per + 1] = gp + r * rb;
             }

@@ -14,8 +14,8 @@ at::Tensor qmatmul_cpu(const at::Tensor& w, int64_t qtype, const at::Tensor& x);
 std::vector<at::Tensor> qmatmul_multi_cpu(const std::vector<at::Tensor>& ws, const std::vector<int64_t>& qtypes,
                                           const at::Tensor& x);
 int64_t argmax_cpu(const at::Tensor& x);
-// benchmarks: the listed rows read `side` at a time (asking for the next group's where `ahead`), bytes summed
-int64_t read_rows_cpu(const at::Tensor& w, const at::Tensor& idx, int64_t side, bool ahead);
+// benchmarks: the listed rows read `side` at a time (asking for the group `ahead` groups on; 0: none), bytes summed
+int64_t read_rows_cpu(const at::Tensor& w, const at::Tensor& idx, int64_t side, int64_t ahead);
 std::string cpu_path();
 at::Tensor quantize_act_bytes(const at::Tensor& x, bool k_quant);
 std::vector<at::Tensor> qmatmul_rows_cpu(const std::vector<at::Tensor>& ws, const std::vector<int64_t>& qtypes,

@@ -1,8 +1,8 @@
 // The memory's ceiling for a sparse op's pattern (benchmarks: `hs-bench kernels`): read the listed rows of
 // a weight the way the sparse kernels read them, and do nothing with the bytes but add them up. Threads
 // take contiguous shares of the index list (each row read once, by one thread); a thread streams `side`
-// rows side by side, one 64-byte line of each a step, and where `ahead` asks for the next group's line at
-// the same offset into L2 (prefetcht1), as the kernels' HS_NEXT_ROWS does. What the kernels reach against
+// rows side by side, one 64-byte line of each a step, and asks for the line at the same offset of the rows
+// `ahead` groups further on into L2 (prefetcht1; 0: none), as the kernels' HS_NEXT_ROWS does. What the kernels reach against
 // this says how much of their shortfall is arithmetic and how much is the memory under scattered rows.
 // Returns the sum of the bytes (so that the loads cannot be left out), which a test checks.
 #include <ATen/ATen.h>
@@ -72,11 +72,12 @@ int64_t sum_rows(const uint8_t* const* rows, int n, const uint8_t* const* next, 
 
 }  // namespace
 
-int64_t read_rows_cpu(const at::Tensor& w, const at::Tensor& idx, int64_t side, bool ahead) {
+int64_t read_rows_cpu(const at::Tensor& w, const at::Tensor& idx, int64_t side, int64_t ahead) {
   HS_CHECK(w.dim() == 2 && w.is_cpu() && w.is_contiguous(), "read_rows: w must be a contiguous 2-D CPU tensor");
   HS_CHECK(idx.dim() == 1 && idx.scalar_type() == at::kInt && idx.is_contiguous() && idx.is_cpu(),
            "read_rows: idx must be a contiguous int32 CPU vector");
   HS_CHECK(side >= 1 && side <= MAX_SIDE, "read_rows: side must be 1..", MAX_SIDE, ", got ", side);
+  HS_CHECK(ahead >= 0, "read_rows: ahead must be >= 0 groups, got ", ahead);
   const int64_t N = w.size(0), M = idx.numel(), bytes = w.size(1) * w.element_size();
   const int32_t* ip = idx.data_ptr<int32_t>();
   for (int64_t k = 0; k < M; ++k)
@@ -93,8 +94,8 @@ int64_t read_rows_cpu(const at::Tensor& w, const at::Tensor& idx, int64_t side, 
       const int n = static_cast<int>(std::min<int64_t>(side, r1 - k));
       int n_next = 0;
       for (int j = 0; j < n; ++j) rows[j] = base + ip[k + j] * bytes;
-      if (ahead)
-        for (; n_next < side && k + side + n_next < r1; ++n_next) next[n_next] = base + ip[k + side + n_next] * bytes;
+      for (const int64_t k2 = k + ahead * side; ahead && n_next < side && k2 + n_next < r1; ++n_next)
+        next[n_next] = base + ip[k2 + n_next] * bytes;
       s += sum_rows(rows, n, next, n_next, bytes);
     }
     sums[tid] = s;

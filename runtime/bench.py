@@ -837,8 +837,8 @@ def _kernels(args) -> int:
                     # the same rows read as the kernels read them (8 side by side, the next 8 asked for) and
                     # only summed: the memory's ceiling for this pattern, against which the ops' shortfall is
                     # arithmetic (csrc/cpu_probe.cpp)
-                    t_read = _time(lambda: kernels.cpu.read_rows(w, idx, 8, True), args.reps, cuda,
-                                   lambda: kernels.cpu.read_rows(small, small_idx, 8, True))
+                    t_read = _time(lambda: kernels.cpu.read_rows(w, idx, 8, 1), args.reps, cuda,
+                                   lambda: kernels.cpu.read_rows(small, small_idx, 8, 1))
                     entry["rows_read_gib_s"] = gib / t_read
                 if cuda:
                     mask = torch.zeros(n_ff, dtype=torch.bool, device=dev)

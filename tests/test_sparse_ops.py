@@ -365,14 +365,16 @@ def test_wide_q4_0_dots(planes, K, rows, monkeypatch):
 
 
 @pytest.mark.parametrize("qtype,planes", [(Q.F16, "2"), (Q.Q4_0, "2"), (Q.Q4_0, "1"), (Q.Q8_0, "2"), (Q.Q8_0, "1")])
-@pytest.mark.parametrize("rows", ["8", "4"])
-def test_next_rows_ask_changes_nothing(qtype, planes, rows, monkeypatch):
-    """Listed rows side by side asking for the next group's rows while they compute (HS_NEXT_ROWS, float16,
-    Q8_0 and the four-blocks Q4_0 dots) or not: the same row-dot sums and FFN activations bit for bit (the ask
-    only moves data), the FFN's y within float rounding (threads claim neurons as they go, so their
-    partial sums add in any order); several groups, the last without a next one."""
+@pytest.mark.parametrize("rows,chunk", [("8", "16"), ("4", "16"), ("8", "0")])
+def test_next_rows_ask_changes_nothing(qtype, planes, rows, chunk, monkeypatch):
+    """Listed rows side by side asking for the rows of the next group, or of the group 2 or 4 on, while they
+    compute (HS_NEXT_ROWS=1/2/4; float16, Q8_0 and the four-blocks Q4_0 dots) or not: the same row-dot sums
+    and FFN activations bit for bit (the ask only moves data), the FFN's y within float rounding (threads
+    claim neurons as they go, so their partial sums add in any order); several groups, the last ones
+    without one to ask for; the FFN's neurons claimed in chunks or as one share a thread."""
     monkeypatch.setenv("HS_ACT_PLANES", planes)
     monkeypatch.setenv("HS_FFN_ROWS", rows)
+    monkeypatch.setenv("HS_FFN_CHUNK", chunk)
     n, K = 203, 416
     w, w2, down_t = (random_rows(qtype, n, K, seed=s) for s in (8, 9, 10))
     x = torch.randn(1, K, generator=torch.Generator().manual_seed(12))
@@ -385,13 +387,14 @@ def test_next_rows_ask_changes_nothing(qtype, planes, rows, monkeypatch):
                 *kernels.sparse_ffn(x, w, qtype, None, qtype, down_t, qtype, few, bias, "relu", False)]
     monkeypatch.setenv("HS_NEXT_ROWS", "0")
     off = run()
-    monkeypatch.setenv("HS_NEXT_ROWS", "1")
-    on = run()
-    for i, (a, b) in enumerate(zip(off, on)):
-        if i in (1, 3):  # y
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * a.abs().max().item())
-        else:
-            assert torch.equal(a, b), f"HS_NEXT_ROWS case {i}"
+    for ahead in ("1", "2", "4"):
+        monkeypatch.setenv("HS_NEXT_ROWS", ahead)
+        on = run()
+        for i, (a, b) in enumerate(zip(off, on)):
+            if i in (1, 3):  # y
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * a.abs().max().item())
+            else:
+                assert torch.equal(a, b), f"HS_NEXT_ROWS={ahead} case {i}"
     xq = x.double() if qtype == Q.F16 else quantize_activations(x, 32, int(planes))  # what the kernel dots with
     wd = dequantize(w, qtype).double()[few.long()]
     assert ((on[0].double() - xq @ wd.T).abs().max() / (xq.abs() @ wd.abs().T).max()).item() < 1e-6
@@ -785,7 +788,7 @@ def test_matmul_fused_on_the_cpu_is_its_steps(qtype, norm, act, act_on_up):
 
 
 @pytest.mark.parametrize("width", [1, 63, 64, 2880, 4609])
-@pytest.mark.parametrize("side,ahead", [(1, False), (3, True), (8, False), (8, True), (16, True)])
+@pytest.mark.parametrize("side,ahead", [(1, 0), (3, 1), (8, 0), (8, 1), (8, 2), (16, 5)])
 @pytest.mark.parametrize("n_threads", [1, 2])
 def test_read_rows_sums_the_listed_rows(width, side, ahead, n_threads, threads):
     """hs-bench's ceiling probe (csrc/cpu_probe.cpp) reads every listed row once, whole, whatever the row
@@ -804,12 +807,13 @@ def test_read_rows_sums_the_listed_rows(width, side, ahead, n_threads, threads):
 
 
 @pytest.mark.parametrize("bad,match", [
-    (lambda w: (w, torch.tensor([97], dtype=torch.int32), 8, True), "index 97 out of range for 97 rows"),
-    (lambda w: (w, torch.tensor([-1], dtype=torch.int32), 8, True), "index -1 out of range"),
-    (lambda w: (w, torch.tensor([1], dtype=torch.int64), 8, True), "idx must be a contiguous int32"),
-    (lambda w: (w, torch.tensor([1], dtype=torch.int32), 17, True), "side must be 1..16, got 17"),
-    (lambda w: (w, torch.tensor([1], dtype=torch.int32), 0, True), "side must be 1..16, got 0"),
-    (lambda w: (w.t(), torch.tensor([1], dtype=torch.int32), 8, True), "w must be a contiguous 2-D"),
+    (lambda w: (w, torch.tensor([97], dtype=torch.int32), 8, 1), "index 97 out of range for 97 rows"),
+    (lambda w: (w, torch.tensor([-1], dtype=torch.int32), 8, 1), "index -1 out of range"),
+    (lambda w: (w, torch.tensor([1], dtype=torch.int64), 8, 1), "idx must be a contiguous int32"),
+    (lambda w: (w, torch.tensor([1], dtype=torch.int32), 17, 1), "side must be 1..16, got 17"),
+    (lambda w: (w, torch.tensor([1], dtype=torch.int32), 0, 1), "side must be 1..16, got 0"),
+    (lambda w: (w, torch.tensor([1], dtype=torch.int32), 8, -1), "ahead must be >= 0 groups, got -1"),
+    (lambda w: (w.t(), torch.tensor([1], dtype=torch.int32), 8, 1), "w must be a contiguous 2-D"),
 ])
 def test_read_rows_refuses_bad_arguments(bad, match):
     w = torch.zeros(97, 64, dtype=torch.uint8)

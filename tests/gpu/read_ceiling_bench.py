@@ -1,7 +1,8 @@
 """How fast this machine's memory gives scattered rows, against what the sparse row-dot reaches on them
 (not a test): listed rows of a 13B-shaped weight (13824 x 5120; K= for another width) in T (Q4_0 by
-default) read and only summed (csrc/cpu_probe.cpp: read_rows) 8 side by side asking for the next 8,
-8 side by side, one at a time, next to the row-dot over the same rows, at 3% / 10% / 33% / 100% of the
+default) read and only summed (csrc/cpu_probe.cpp: read_rows) 8 side by side asking for the 8 of the next
+group or the one after (+1 / +2), without asking, one at a time, next to the row-dot over the same rows
+with HS_NEXT_ROWS=1 and 2 (the kernels' ask, same distances), at 3% / 10% / 33% / 100% of the
 rows listed, over 1 GiB of copies taken in turn (more than the L3). GiB/s of the listed rows, medians.
   T=Q4_0 TH=1,16 python tests/gpu/read_ceiling_bench.py"""
 
@@ -31,13 +32,16 @@ for d in [float(v) for v in os.environ.get("D", "0.03,0.1,0.33,1.0").split(",")]
     idx = torch.tensor(np.sort(np.random.default_rng(1).choice(N, int(N * d), replace=False)), dtype=torch.int32)
     for nt in [int(t) for t in os.environ.get("TH", "1,2").split(",")]:
         torch.set_num_threads(nt)
-        ways = {"row-dot": lambda w: kernels.cpu.sparse_rowdot(w, int(qt), x, idx, None),
-                "read 8+next": lambda w: kernels.cpu.read_rows(w, idx, 8, True),
-                "read 8": lambda w: kernels.cpu.read_rows(w, idx, 8, False),
-                "read 1": lambda w: kernels.cpu.read_rows(w, idx, 1, False)}
+        ways = {"row-dot +1": ("1", lambda w: kernels.cpu.sparse_rowdot(w, int(qt), x, idx, None)),
+                "row-dot +2": ("2", lambda w: kernels.cpu.sparse_rowdot(w, int(qt), x, idx, None)),
+                "read 8 +1": ("1", lambda w: kernels.cpu.read_rows(w, idx, 8, 1)),
+                "read 8 +2": ("1", lambda w: kernels.cpu.read_rows(w, idx, 8, 2)),
+                "read 8": ("1", lambda w: kernels.cpu.read_rows(w, idx, 8, 0)),
+                "read 1": ("1", lambda w: kernels.cpu.read_rows(w, idx, 1, 0))}
         times = {k: [] for k in ways}
         for _ in range(3):
-            for k, f in ways.items():
+            for k, (ask, f) in ways.items():
+                os.environ["HS_NEXT_ROWS"] = ask
                 for w in ws:
                     t = time.perf_counter()
                     f(w)
