@@ -909,11 +909,19 @@ HS_AVX512 static inline float dot_f16_avx512(const void* row, const float* x, in
   return out;
 }
 
-HS_AVX512 static inline void axpy_group_f16_avx512(const float* s, const void* const* rows, float* y, int64_t n) {
+// NEXT: rows[G..2G-1] are the rows of the group that comes next, a line of each asked for into L2 as this
+// group's rows pass one (see axpy_rows_q4_0_avx512's NEXT)
+template <bool NEXT = false>
+HS_AVX512 static inline void axpy_rows_f16_avx512(const float* s, const void* const* rows, float* y, int64_t n) {
   __m512 sv[AXPY_GROUP];
   for (int j = 0; j < AXPY_GROUP; ++j) sv[j] = _mm512_set1_ps(s[j]);
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
+    if constexpr (NEXT) {
+      if ((i & 31) == 0)  // 32 halves: a new 64-byte line of each row
+        for (int j = 0; j < AXPY_GROUP; ++j)
+          _mm_prefetch(reinterpret_cast<const char*>(static_cast<const uint16_t*>(rows[AXPY_GROUP + j]) + i), _MM_HINT_T1);
+    }
     __m512 acc = _mm512_loadu_ps(y + i);
     for (int j = 0; j < AXPY_GROUP; ++j)
       acc = _mm512_fmadd_ps(sv[j], _mm512_cvtph_ps(_mm256_loadu_si256(
@@ -925,6 +933,12 @@ HS_AVX512 static inline void axpy_group_f16_avx512(const float* s, const void* c
     for (int j = 0; j < AXPY_GROUP; ++j) rest[j] = static_cast<const uint16_t*>(rows[j]) + i;
     axpy_group_f16_avx2(s, rest, y + i, n - i);
   }
+}
+HS_AVX512 static inline void axpy_group_f16_avx512(const float* s, const void* const* rows, float* y, int64_t n) {
+  axpy_rows_f16_avx512(s, rows, y, n);
+}
+HS_AVX512 static inline void axpy_group_f16_avx512_next(const float* s, const void* const* rows, float* y, int64_t n) {
+  axpy_rows_f16_avx512<true>(s, rows, y, n);
 }
 
 // Q4_0 rows added into y with 512-bit lanes, G at a time (1: the direct axpy, AXPY_GROUP: the group's):
@@ -966,8 +980,15 @@ HS_AVX512 static inline void axpy_q4_0_avx512(float s, const void* row, float* y
   axpy_rows_q4_0_avx512<1>(&s, &row, y, n);
 }
 
-HS_AVX512 static inline void axpy_group_q8_0_avx512(const float* s, const void* const* rows, float* y, int64_t n) {
+// NEXT: as axpy_rows_q4_0_avx512's
+template <bool NEXT = false>
+HS_AVX512 static inline void axpy_rows_q8_0_avx512(const float* s, const void* const* rows, float* y, int64_t n) {
   for (int64_t b = 0; b < n / QK; ++b) {
+    if constexpr (NEXT) {
+      const int64_t off = b * static_cast<int64_t>(sizeof(BlockQ8_0));
+      if ((off & 63) < static_cast<int64_t>(sizeof(BlockQ8_0)))  // this block starts a new line of the row
+        for (int j = 0; j < AXPY_GROUP; ++j) _mm_prefetch(static_cast<const char*>(rows[AXPY_GROUP + j]) + off, _MM_HINT_T1);
+    }
     float* yb = y + b * QK;
     __m512 a0 = _mm512_loadu_ps(yb), a1 = _mm512_loadu_ps(yb + 16);
     for (int j = 0; j < AXPY_GROUP; ++j) {
@@ -981,6 +1002,12 @@ HS_AVX512 static inline void axpy_group_q8_0_avx512(const float* s, const void* 
     _mm512_storeu_ps(yb, a0);
     _mm512_storeu_ps(yb + 16, a1);
   }
+}
+HS_AVX512 static inline void axpy_group_q8_0_avx512(const float* s, const void* const* rows, float* y, int64_t n) {
+  axpy_rows_q8_0_avx512(s, rows, y, n);
+}
+HS_AVX512 static inline void axpy_group_q8_0_avx512_next(const float* s, const void* const* rows, float* y, int64_t n) {
+  axpy_rows_q8_0_avx512<true>(s, rows, y, n);
 }
 #endif  // HS_X86
 

@@ -754,12 +754,19 @@ bool sparse_ffn_fused_cpu(const at::Tensor& x, const at::Tensor& up, int64_t up_
   AxpyGroup group;
   pick_axpy(down_type, direct, group);
   if (!group) return false;
-  // listed rows side by side ask for the next group's rows while they compute (next_groups); one token's Q4_0
-  // down rows: a group's axpy runs once the group after it is queued, asking for its rows meanwhile
+  // listed rows side by side ask for the next group's rows while they compute (next_groups); one token's Q4_0,
+  // Q8_0 and float16 down rows (AVX-512): a group's axpy runs once the group after it is queued, asking for its
+  // rows meanwhile
   const int ahead_groups = next_groups();
   const bool ask_next = ahead_groups > 0;
-  const AxpyGroup group_next =
-      x.size(0) == 1 && !masked && down_type == Q4_0 && cpu_has_avx512() && ask_next ? axpy_group_q4_0_avx512_next : nullptr;
+  AxpyGroup group_next = nullptr;
+#ifdef HS_X86
+  if (x.size(0) == 1 && !masked && ask_next && cpu_has_avx512())
+    group_next = down_type == Q4_0   ? axpy_group_q4_0_avx512_next
+                 : down_type == Q8_0 ? axpy_group_q8_0_avx512_next
+                 : down_type == F16  ? axpy_group_f16_avx512_next
+                                     : nullptr;
+#endif
   HS_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(), "sparse_ffn: x must be contiguous float32");
   const int64_t T = x.size(0), K = x.size(1);
   check_weight(up, up_type, K, "sparse_ffn");
