@@ -19,6 +19,15 @@ namespace hs {
 
 constexpr int AXPY_GROUP = 4;  // rows per pass of the grouped axpy (below)
 
+// NEXT kernels (HS_NEXT_ROWS): rows[G..2G-1] are the rows of the group that comes next; as this group's rows
+// pass block b (at byte `off` of each row, blocks of `block` bytes), the first block to start in a 64-byte
+// line asks for that line of each next row into L2 (prefetcht1): every line once, at the rate they are read
+template <int G>
+static inline void ask_next_lines(const void* const* next, int64_t off, int64_t block) {
+  if ((off & 63) < block)
+    for (int j = 0; j < G; ++j) _mm_prefetch(static_cast<const char*>(next[j]) + off, _MM_HINT_T1);
+}
+
 // ---- activation quantization (see ActQ8): round half away from zero ------------------------------
 
 // lround for |v| < 2^23 without a libm call (so the loops below vectorise): truncate, then move a
@@ -351,16 +360,19 @@ HS_AVX2 static inline __m256i unsigned_block_q45_0(const void* row, int64_t b, f
 // R rows side by side against one token, for CPUs without AVX-512 (the sparse row-dot and the fused
 // FFN over scattered rows: more streams in flight per core than one row at a time). Q8_0: the
 // activation block read once for all R rows.
-template <int R, bool ONE_PLANE = false>
+// NEXT: rows[R..2R-1] are the next group's rows (ask_next_lines)
+template <int R, bool ONE_PLANE = false, bool NEXT = false>
 HS_AVX2 static inline void dot_q8_0_rows_avx2(const void* const* rows, const ActQ8* a, int64_t nb, float* out) {
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b)
+  for (int64_t b = 0; b < nb; ++b) {
+    if constexpr (NEXT) ask_next_lines<R>(rows + R, b * int64_t{sizeof(BlockQ8_0)}, sizeof(BlockQ8_0));
     for (int r = 0; r < R; ++r) {
       const BlockQ8_0& w = static_cast<const BlockQ8_0*>(rows[r])[b];
       const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.qs));
       acc[r] = ONE_PLANE ? block_dot1(q, a[b], _cvtsh_ss(w.d), acc[r]) : block_dot2(q, a[b], _cvtsh_ss(w.d), acc[r]);
     }
+  }
   for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]);
 }
 
@@ -374,12 +386,14 @@ HS_AVX2 static inline float dot_q8_0_avx2(const void* row, const ActQ8* a, int64
 // float16 rows side by side against a float32 x, 16 values a step in two sums per row, x loaded once per
 // step for all R: the sums of dot_floats_avx2 (the one-row dot) in the same order, so a row gives the same
 // float whether it is computed alone or beside others (a dense GEMV's streams, a sparse row-dot's tail)
-template <int R>
+// NEXT: rows[R..2R-1] are the next group's rows (ask_next_lines; a step reads 32 bytes of each row)
+template <int R, bool NEXT = false>
 HS_AVX2 static inline void dot_f16_rows_avx2(const void* const* rows, const float* x, int64_t n, float* out) {
   __m256 a0[R], a1[R];
   for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm256_setzero_ps();
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
+    if constexpr (NEXT) ask_next_lines<R>(rows + R, 2 * i, 32);
     const __m256 x0 = _mm256_loadu_ps(x + i), x1 = _mm256_loadu_ps(x + i + 8);
     for (int r = 0; r < R; ++r) {
       const uint16_t* w = static_cast<const uint16_t*>(rows[r]) + i;
@@ -542,9 +556,12 @@ HS_AVX2 static inline void axpy_q5_0_avx2(float s, const void* row, float* y, in
 // (a 4-byte load and store per 2-byte weight) held the sparse down projection to a quarter of the
 // row-dot's bandwidth on the GPU machine's Xeon. (AXPY_GROUP: top of this file.)
 
-template <int64_t QT>
+// NEXT: rows[AXPY_GROUP..2 AXPY_GROUP-1] are the next group's rows (ask_next_lines)
+template <int64_t QT, bool NEXT = false>
 HS_AVX2 static inline void axpy_group_blocks_avx2(const float* s, const void* const* rows, float* y, int64_t n) {
+  constexpr int64_t block = QT == Q8_0 ? sizeof(BlockQ8_0) : QT == Q5_0 ? sizeof(BlockQ5_0) : sizeof(BlockQ4_0);
   for (int64_t b = 0; b < n / QK; ++b) {
+    if constexpr (NEXT) ask_next_lines<AXPY_GROUP>(rows + AXPY_GROUP, b * block, block);
     float* yb = y + b * QK;
     __m256 acc[4] = {_mm256_loadu_ps(yb), _mm256_loadu_ps(yb + 8), _mm256_loadu_ps(yb + 16), _mm256_loadu_ps(yb + 24)};
     for (int j = 0; j < AXPY_GROUP; ++j) {
@@ -561,11 +578,13 @@ HS_AVX2 static inline void axpy_group_blocks_avx2(const float* s, const void* co
   }
 }
 
-HS_AVX2 static inline void axpy_group_f16_avx2(const float* s, const void* const* rows, float* y, int64_t n) {
+template <bool NEXT = false>
+HS_AVX2 static inline void axpy_rows_f16_avx2(const float* s, const void* const* rows, float* y, int64_t n) {
   __m256 sv[AXPY_GROUP];
   for (int j = 0; j < AXPY_GROUP; ++j) sv[j] = _mm256_set1_ps(s[j]);
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
+    if constexpr (NEXT) ask_next_lines<AXPY_GROUP>(rows + AXPY_GROUP, 2 * i, 16);
     __m256 acc = _mm256_loadu_ps(y + i);
     for (int j = 0; j < AXPY_GROUP; ++j)
       acc = _mm256_fmadd_ps(sv[j], _mm256_cvtph_ps(_mm_loadu_si128(
@@ -575,16 +594,27 @@ HS_AVX2 static inline void axpy_group_f16_avx2(const float* s, const void* const
   for (; i < n; ++i)
     for (int j = 0; j < AXPY_GROUP; ++j) y[i] += s[j] * _cvtsh_ss(static_cast<const uint16_t*>(rows[j])[i]);
 }
+HS_AVX2 static inline void axpy_group_f16_avx2(const float* s, const void* const* rows, float* y, int64_t n) {
+  axpy_rows_f16_avx2(s, rows, y, n);
+}
+HS_AVX2 static inline void axpy_group_f16_avx2_next(const float* s, const void* const* rows, float* y, int64_t n) {
+  axpy_rows_f16_avx2<true>(s, rows, y, n);
+}
 HS_AVX2 static inline void axpy_group_q8_0_avx2(const float* s, const void* const* r, float* y, int64_t n) {
   axpy_group_blocks_avx2<Q8_0>(s, r, y, n);
+}
+HS_AVX2 static inline void axpy_group_q8_0_avx2_next(const float* s, const void* const* r, float* y, int64_t n) {
+  axpy_group_blocks_avx2<Q8_0, true>(s, r, y, n);
 }
 // Q4_0: the 16 bytes of a block widened to 32-bit lanes straight from memory (byte i holds values i
 // and i + 16: the low nibbles give lanes 0-15, the high ones 16-31), converted and added in; the
 // offset of 8 once per block for the group (-8 * sum of the scales) instead of per value. Fewer
 // shuffles than the int8 form above, whose cross-lane moves were the limit: ~1.3x per row (Zen 4).
-HS_AVX2 static inline void axpy_group_q4_0_avx2(const float* s, const void* const* rows, float* y, int64_t n) {
+template <bool NEXT = false>
+HS_AVX2 static inline void axpy_rows_q4_0_avx2(const float* s, const void* const* rows, float* y, int64_t n) {
   const __m256i m4 = _mm256_set1_epi32(0x0F);
   for (int64_t b = 0; b < n / QK; ++b) {
+    if constexpr (NEXT) ask_next_lines<AXPY_GROUP>(rows + AXPY_GROUP, b * int64_t{sizeof(BlockQ4_0)}, sizeof(BlockQ4_0));
     float* yb = y + b * QK;
     __m256 acc[4] = {_mm256_loadu_ps(yb), _mm256_loadu_ps(yb + 8), _mm256_loadu_ps(yb + 16), _mm256_loadu_ps(yb + 24)};
     float scales = 0.f;
@@ -603,6 +633,12 @@ HS_AVX2 static inline void axpy_group_q4_0_avx2(const float* s, const void* cons
     const __m256 off = _mm256_set1_ps(-8.f * scales);
     for (int k = 0; k < 4; ++k) _mm256_storeu_ps(yb + 8 * k, _mm256_add_ps(acc[k], off));
   }
+}
+HS_AVX2 static inline void axpy_group_q4_0_avx2(const float* s, const void* const* rows, float* y, int64_t n) {
+  axpy_rows_q4_0_avx2(s, rows, y, n);
+}
+HS_AVX2 static inline void axpy_group_q4_0_avx2_next(const float* s, const void* const* rows, float* y, int64_t n) {
+  axpy_rows_q4_0_avx2<true>(s, rows, y, n);
 }
 HS_AVX2 static inline void axpy_group_q5_0_avx2(const float* s, const void* const* r, float* y, int64_t n) {
   axpy_group_blocks_avx2<Q5_0>(s, r, y, n);

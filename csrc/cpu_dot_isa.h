@@ -41,13 +41,16 @@ HS_ISA_TARGET static inline void dot_q45_0_tokens(const void* row, const ActQ8* 
 // 512-bit register measured slower on Zen 4, whose 512-bit integer ops are double-pumped.)
 // ONE_PLANE: the activations' second plane is zero (HS_ACT_PLANES=1, see act_planes): one dot per
 // block and row, the plane's weight folded into the scale.
-template <int64_t QT, int R, bool ONE_PLANE = false>
+// NEXT: rows[R..2R-1] are the next group's rows (ask_next_lines).
+template <int64_t QT, int R, bool ONE_PLANE = false, bool NEXT = false>
 HS_ISA_TARGET static inline void dot_q45_0_rows(const void* const* rows, const ActQ8* a, int64_t nb, float* out) {
   constexpr float offset = QT == Q4_0 ? 8.f : 16.f;
+  constexpr int64_t block = QT == Q4_0 ? sizeof(BlockQ4_0) : sizeof(BlockQ5_0);
   __m256 acc[R];
   float corr[R];
   for (int r = 0; r < R; ++r) { acc[r] = _mm256_setzero_ps(); corr[r] = 0.f; }
   for (int64_t b = 0; b < nb; ++b) {
+    if constexpr (NEXT) ask_next_lines<R>(rows + R, b * block, block);
     const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a[b].qs[0]));
     const __m256i x1 = ONE_PLANE ? _mm256_setzero_si256()
                                  : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a[b].qs[1]));

@@ -236,35 +236,19 @@ bool has_dot_rows(int64_t qtype) {
   (n_rows == 2 ? kernel<2> : n_rows == 4 ? kernel<4> : n_rows == 8 ? kernel<8> : kernel<1>)
 // the dots of n_rows rows side by side: float16 rows against x, Q8_0/Q4_0/Q5_0 rows against the
 // quantized x (null for other types)
-// next: the kernel that also asks for the next group's rows, rows[n..2n-1] (AVX-512; elsewhere the plain one)
+// next: the kernel that also asks for the next group's rows, rows[n..2n-1]
 template <int R>
 HS_AVX512 void dot_f16_rows_avx512n(const void* const* r, const float* x, int64_t n, float* o) {
   dot_f16_rows_avx512<R, true>(r, x, n, o);
 }
+template <int R>
+HS_AVX2 void dot_f16_rows_avx2n(const void* const* r, const float* x, int64_t n, float* o) {
+  dot_f16_rows_avx2<R, true>(r, x, n, o);
+}
 DotRows pick_dot_rows(int n_rows, bool next = false) {
-  if (!cpu_has_avx512()) return HS_PICK_ROWS(dot_f16_rows_avx2);
+  if (!cpu_has_avx512()) return next ? HS_PICK_ROWS(dot_f16_rows_avx2n) : HS_PICK_ROWS(dot_f16_rows_avx2);
   return next ? HS_PICK_ROWS(dot_f16_rows_avx512n) : HS_PICK_ROWS(dot_f16_rows_avx512);
 }
-template <int R>
-HS_AVX512 void dot_q4_0_rows_vnni(const void* const* r, const ActQ8* a, int64_t nb, float* o) { isa_vnni::dot_q45_0_rows<Q4_0, R>(r, a, nb, o); }
-template <int R>
-HS_AVX512 void dot_q5_0_rows_vnni(const void* const* r, const ActQ8* a, int64_t nb, float* o) { isa_vnni::dot_q45_0_rows<Q5_0, R>(r, a, nb, o); }
-template <int R>
-HS_AVX2 void dot_q4_0_rows_avx2(const void* const* r, const ActQ8* a, int64_t nb, float* o) { isa_avx2::dot_q45_0_rows<Q4_0, R>(r, a, nb, o); }
-template <int R>
-HS_AVX2 void dot_q5_0_rows_avx2(const void* const* r, const ActQ8* a, int64_t nb, float* o) { isa_avx2::dot_q45_0_rows<Q5_0, R>(r, a, nb, o); }
-template <int R>
-HS_AVX512 void dot_q4_0_rows_vnni1(const void* const* r, const ActQ8* a, int64_t nb, float* o) { isa_vnni::dot_q45_0_rows<Q4_0, R, true>(r, a, nb, o); }
-template <int R>
-HS_AVX512 void dot_q5_0_rows_vnni1(const void* const* r, const ActQ8* a, int64_t nb, float* o) { isa_vnni::dot_q45_0_rows<Q5_0, R, true>(r, a, nb, o); }
-template <int R>
-HS_AVX2 void dot_q4_0_rows_avx2_1(const void* const* r, const ActQ8* a, int64_t nb, float* o) { isa_avx2::dot_q45_0_rows<Q4_0, R, true>(r, a, nb, o); }
-template <int R>
-HS_AVX2 void dot_q5_0_rows_avx2_1(const void* const* r, const ActQ8* a, int64_t nb, float* o) { isa_avx2::dot_q45_0_rows<Q5_0, R, true>(r, a, nb, o); }
-template <int R>
-HS_AVX512 void dot_q8_0_rows_avx512_1(const void* const* r, const ActQ8* a, int64_t nb, float* o) { dot_q8_0_rows_avx512<R, true>(r, a, nb, o); }
-template <int R>
-HS_AVX2 void dot_q8_0_rows_avx2_1(const void* const* r, const ActQ8* a, int64_t nb, float* o) { dot_q8_0_rows_avx2<R, true>(r, a, nb, o); }
 // Q4_0 rows four blocks at a time against the arranged activations (dot_q4_0_rows_wide; q4_wide())
 using DotRowsQ4G = void (*)(const void* const*, const ActQ4G*, const ActQ8*, int64_t, float*);
 template <int R>
@@ -319,27 +303,46 @@ std::vector<ActQ4G> arranged_q4g(const std::vector<ActQ8>& act, int64_t T, int64
   return g;
 }
 
-// Q8_0 rows side by side asking for the next group's rows meanwhile (rows[n..2n-1])
-template <int R>
-HS_AVX512 void dot_q8_0_rows_avx512n(const void* const* r, const ActQ8* a, int64_t nb, float* o) { dot_q8_0_rows_avx512<R, false, true>(r, a, nb, o); }
-template <int R>
-HS_AVX512 void dot_q8_0_rows_avx512_1n(const void* const* r, const ActQ8* a, int64_t nb, float* o) { dot_q8_0_rows_avx512<R, true, true>(r, a, nb, o); }
-
-// (for activations quantized in this call: act_planes() is read per call by both); next: for Q8_0 on AVX-512,
-// the kernel that also asks for the next group's rows, rows[n..2n-1] (elsewhere the plain one)
-DotRowsQ8 pick_dot_rows_q8(int64_t qtype, int n_rows, bool next = false) {
+// The block formats' rows side by side against the quantized x: AVX-512 VNNI or AVX2, one plane or two
+// (act_planes), asking for the next group's rows meanwhile (rows[n..2n-1]) or not; R last, for the picker
+#define HS_PICK_ROWS_OF(kernel, ...) \
+  (n_rows == 2 ? kernel<__VA_ARGS__, 2> : n_rows == 4 ? kernel<__VA_ARGS__, 4> : n_rows == 8 ? kernel<__VA_ARGS__, 8> \
+                                                                                           : kernel<__VA_ARGS__, 1>)
+template <int64_t QT, bool ONE, bool NEXT, int R>
+HS_AVX512 void dot_q45_0_rows_vnni(const void* const* r, const ActQ8* a, int64_t nb, float* o) {
+  isa_vnni::dot_q45_0_rows<QT, R, ONE, NEXT>(r, a, nb, o);
+}
+template <int64_t QT, bool ONE, bool NEXT, int R>
+HS_AVX2 void dot_q45_0_rows_avx2(const void* const* r, const ActQ8* a, int64_t nb, float* o) {
+  isa_avx2::dot_q45_0_rows<QT, R, ONE, NEXT>(r, a, nb, o);
+}
+template <bool ONE, bool NEXT, int R>
+HS_AVX512 void dot_q8_0_rows_vnni(const void* const* r, const ActQ8* a, int64_t nb, float* o) {
+  dot_q8_0_rows_avx512<R, ONE, NEXT>(r, a, nb, o);
+}
+template <bool ONE, bool NEXT, int R>
+HS_AVX2 void dot_q8_0_rows_avx2n(const void* const* r, const ActQ8* a, int64_t nb, float* o) {
+  dot_q8_0_rows_avx2<R, ONE, NEXT>(r, a, nb, o);
+}
+template <bool ONE, bool NEXT>
+DotRowsQ8 pick_q8_rows(int64_t qtype, int n_rows) {
   const bool vnni = cpu_has_avx512();
-  if (next && vnni && qtype == Q8_0)
-    return act_planes() == 1 ? HS_PICK_ROWS(dot_q8_0_rows_avx512_1n) : HS_PICK_ROWS(dot_q8_0_rows_avx512n);
-  if (act_planes() == 1) {  // the second plane is zero: one dot per block
-    if (qtype == Q4_0) return vnni ? HS_PICK_ROWS(dot_q4_0_rows_vnni1) : HS_PICK_ROWS(dot_q4_0_rows_avx2_1);
-    if (qtype == Q5_0) return vnni ? HS_PICK_ROWS(dot_q5_0_rows_vnni1) : HS_PICK_ROWS(dot_q5_0_rows_avx2_1);
-    if (qtype == Q8_0) return vnni ? HS_PICK_ROWS(dot_q8_0_rows_avx512_1) : HS_PICK_ROWS(dot_q8_0_rows_avx2_1);
+  switch (qtype) {
+    case Q4_0:
+      return vnni ? HS_PICK_ROWS_OF(dot_q45_0_rows_vnni, Q4_0, ONE, NEXT) : HS_PICK_ROWS_OF(dot_q45_0_rows_avx2, Q4_0, ONE, NEXT);
+    case Q5_0:
+      return vnni ? HS_PICK_ROWS_OF(dot_q45_0_rows_vnni, Q5_0, ONE, NEXT) : HS_PICK_ROWS_OF(dot_q45_0_rows_avx2, Q5_0, ONE, NEXT);
+    case Q8_0:
+      return vnni ? HS_PICK_ROWS_OF(dot_q8_0_rows_vnni, ONE, NEXT) : HS_PICK_ROWS_OF(dot_q8_0_rows_avx2n, ONE, NEXT);
   }
-  if (qtype == Q4_0) return vnni ? HS_PICK_ROWS(dot_q4_0_rows_vnni) : HS_PICK_ROWS(dot_q4_0_rows_avx2);
-  if (qtype == Q5_0) return vnni ? HS_PICK_ROWS(dot_q5_0_rows_vnni) : HS_PICK_ROWS(dot_q5_0_rows_avx2);
-  if (qtype == Q8_0) return vnni ? HS_PICK_ROWS(dot_q8_0_rows_avx512) : HS_PICK_ROWS(dot_q8_0_rows_avx2);
   return nullptr;
+}
+#undef HS_PICK_ROWS_OF
+// (for activations quantized in this call: act_planes() is read per call by both; the second plane of one
+// plane is zero: one dot per block); next: the kernel that also asks for the next group's rows
+DotRowsQ8 pick_dot_rows_q8(int64_t qtype, int n_rows, bool next = false) {
+  if (act_planes() == 1) return next ? pick_q8_rows<true, true>(qtype, n_rows) : pick_q8_rows<true, false>(qtype, n_rows);
+  return next ? pick_q8_rows<false, true>(qtype, n_rows) : pick_q8_rows<false, false>(qtype, n_rows);
 }
 #undef HS_PICK_ROWS
 #endif
@@ -755,8 +758,8 @@ bool sparse_ffn_fused_cpu(const at::Tensor& x, const at::Tensor& up, int64_t up_
   pick_axpy(down_type, direct, group);
   if (!group) return false;
   // listed rows side by side ask for the next group's rows while they compute (next_groups); one token's Q4_0,
-  // Q8_0 and float16 down rows (AVX-512): a group's axpy runs once the group after it is queued, asking for its
-  // rows meanwhile
+  // Q8_0 and float16 down rows (AVX-512 or AVX2): a group's axpy runs once the group after it is queued, asking
+  // for its rows meanwhile
   const int ahead_groups = next_groups();
   const bool ask_next = ahead_groups > 0;
   AxpyGroup group_next = nullptr;
@@ -765,6 +768,11 @@ bool sparse_ffn_fused_cpu(const at::Tensor& x, const at::Tensor& up, int64_t up_
     group_next = down_type == Q4_0   ? axpy_group_q4_0_avx512_next
                  : down_type == Q8_0 ? axpy_group_q8_0_avx512_next
                  : down_type == F16  ? axpy_group_f16_avx512_next
+                                     : nullptr;
+  else if (x.size(0) == 1 && !masked && ask_next && cpu_has_avx2())
+    group_next = down_type == Q4_0   ? axpy_group_q4_0_avx2_next
+                 : down_type == Q8_0 ? axpy_group_q8_0_avx2_next
+                 : down_type == F16  ? axpy_group_f16_avx2_next
                                      : nullptr;
 #endif
   HS_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(), "sparse_ffn: x must be contiguous float32");
