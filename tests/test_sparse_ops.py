@@ -136,7 +136,7 @@ def test_sparse_ffn_rows_side_by_side(rows, qtype, activation, gated, act_on_up,
     torch.testing.assert_close(y, y_ref, rtol=tol, atol=10 * tol * max(1.0, y_ref.abs().max().item()))
 
 
-@pytest.mark.parametrize("chunk", ["0", "1", "3", "16"])
+@pytest.mark.parametrize("chunk", ["0", "1", "3", "16", "64"])
 @pytest.mark.parametrize("rows", ["1", "4", "8"])
 @pytest.mark.parametrize("n_threads", [1, 2, 4])
 @pytest.mark.parametrize("qtype", [Q.F16, Q.Q4_0])

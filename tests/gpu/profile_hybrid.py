@@ -13,8 +13,10 @@
   - events-s1 / poll-s1: events / poll with a dense GEMV's rows as one stream a thread instead of 4
     (HS_GEMV_STREAMS=1: the CPU's attention and predictors),
   - poll-nonext: poll with listed Q4_0 rows side by side not asking for the next group's rows (HS_NEXT_ROWS=0),
-  - poll-ahead2 / poll-ahead2-c64: poll with them asking for the rows two groups on (HS_NEXT_ROWS=2), and so with
-    the FFN's threads claiming 64 neurons at a time instead of 16 (HS_FFN_CHUNK=64),
+  - poll-ahead2 / poll-ahead2-c128: poll with them asking for the rows two groups on (HS_NEXT_ROWS=2), and so with
+    the FFN's threads claiming up to 128 neurons at a time instead of 64 (HS_FFN_CHUNK=128),
+  - poll-c16: poll with the FFN's threads claiming up to 16 neurons at a time (HS_FFN_CHUNK=16, the default until
+    session 29),
   - poll-runpool: poll where some attention is on the CPU, the GPU runs' CPU parts on the spinning pool
     instead of the OpenMP team of the CPU layers (HS_RUN_POOL=1),
   - poll-narrow / poll-one-narrow: poll (two-plane / one-plane activations) with one token's Q4_0 dots
@@ -34,7 +36,7 @@
     (HS_TRACE_SKIP=0: with the CPU work; default without it, the GPU's part alone; HS_TRACE_OUT=FILE:
     the Chrome trace),
 and torch's profile of two eager steps. HS_PROFILE_MODES=graphs (a comma list of graphs, unfused, eager,
-events, events-nohg, events-s1, layers, generate, trace, poll, poll-s1, poll-runpool, poll-nonext, poll-ahead2, poll-ahead2-c64, poll-skip, poll-one-plane, poll-narrow, poll-one-narrow, serial, one-plane, omp, spin, omp-spin, skip, static, t-1, noyield, sleep) runs only those, in that order
+events, events-nohg, events-s1, layers, generate, trace, poll, poll-s1, poll-runpool, poll-nonext, poll-ahead2, poll-ahead2-c128, poll-c16, poll-skip, poll-one-plane, poll-narrow, poll-one-narrow, serial, one-plane, omp, spin, omp-spin, skip, static, t-1, noyield, sleep) runs only those, in that order
 (a mode named twice runs twice: graphs,poll,graphs,poll alternates them), and skips torch's profile
 (unless HS_PROFILE_TORCH=1; HS_PROFILE_ROWS rows of it, by device time on a GPU or by HS_PROFILE_SORT,
 e.g. self_cpu_time_total); HS_THREADS sets the
@@ -136,7 +138,8 @@ VARIANTS = (("graphs", "graphs + host nodes", True, True, {}),
             ("poll-runpool", "polled, run graphs' pool", True, True, {"HS_RUN_POOL": "1"}),
             ("poll-nonext", "polled, no next-rows ask", True, True, {"HS_NEXT_ROWS": "0"}),
             ("poll-ahead2", "polled, rows 2 groups on", True, True, {"HS_NEXT_ROWS": "2"}),
-            ("poll-ahead2-c64", "polled, 2 on, 64-neuron chunks", True, True, {"HS_NEXT_ROWS": "2", "HS_FFN_CHUNK": "64"}))
+            ("poll-ahead2-c128", "polled, 2 on, 128-neuron chunks", True, True, {"HS_NEXT_ROWS": "2", "HS_FFN_CHUNK": "128"}),
+            ("poll-c16", "polled, 16-neuron chunks", True, True, {"HS_FFN_CHUNK": "16"}))
 by_key = {v[0]: v for v in VARIANTS}
 default_handover = kernels.HANDOVER  # the runtime's (HS_HANDOVER or its default), for generate / trace below
 for key, label, graphs, nodes, env in (by_key[k] for k in modes if k in by_key):  # in the order asked, repeats too
