@@ -286,12 +286,12 @@ DotRowsQ4G pick_dot_rows_q4g(int n_rows, bool ahead = false, bool next = false) 
   return one ? HS_PICK_ROWS(dot_q4_0_rows_wide1) : HS_PICK_ROWS(dot_q4_0_rows_wide2);
 }
 
-// Whether listed rows side by side (Q4_0, Q8_0, F16) ask for the next group's rows while they compute (HS_NEXT_ROWS=0:
-// not; read per call; see dot_q4_0_rows_wide's NEXT). Dev VM's Zen 4, 7B rows (4096 x 11008 Q4_0, from
+// How many groups ahead listed rows side by side (Q4_0, Q5_0, Q8_0, F16) ask for rows while they compute: the next
+// group's (HS_NEXT_ROWS=1, the default), none (0); read per call; see dot_q4_0_rows_wide's NEXT. Dev VM's Zen 4, 7B rows (4096 x 11008 Q4_0, from
 // memory, 33% listed, alternating in one process, medians): the sparse row-dot 7.2 -> 12.0 GiB/s on one
 // thread, 12.3 -> 16.8 on two (a GEMV over all rows: 14.7 / 24.6); the fused gated FFN, its down rows asked
-// for a group ahead too, 7.2 -> 9.5 and 13.3 -> 16.7 (8.5 and 15.2 without the down rows). Not yet measured
-// on the GPU machine's Xeon. The Xeon (H100 host, session 29, tests/gpu/rows_in_flight_bench.py, 13B rows from
+// for a group ahead too, 7.2 -> 9.5 and 13.3 -> 16.7 (8.5 and 15.2 without the down rows). The GPU machine's
+// Xeon (H100 host, session 29, tests/gpu/rows_in_flight_bench.py, 13B rows from
 // memory, 16 threads, 33% listed): Q4_0 51.9 -> 65.6 GiB/s, Q8_0 41.9 -> 63.8, float16 68.5 -> 86.8.
 // HS_NEXT_ROWS=N (1-4): the rows of the group N groups ahead instead, for memory whose latency one group's
 // time does not cover (the Xeon with 16 threads busy; the group N ahead must lie within the same share or
