@@ -207,7 +207,8 @@ def _run(args) -> int:
     if args.vram_budget is not None:  # the four engines side by side, each in its own process
         return _hybrid(_hybrid_args(args.model, args.threads, str(args.vram_budget), args.n_predict,
                                     args.prompt_tokens, args.reps, args.mode, args.no_cpu_only, args.timeout,
-                                    args.json, cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v))
+                                    args.json, cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v,
+                                    llama_cpp=args.llama_cpp, llama_cpp_model=args.llama_cpp_model))
     from .loader import default_model_path
     model = Path(args.model) if args.model else default_model_path()
     if args.n_gpu_layers is None:
@@ -360,11 +361,16 @@ def _hybrid(args) -> int:
                             "ngl": _ngl_for_budget(model, int(b * 2**30), args.ctx_size)})
     if not args.no_cpu_only:
         configs += [{"engine": "hybrid", "vram_budget": 0.0}, {"engine": "layer split", "vram_budget": 0.0, "ngl": 0}]
+    if getattr(args, "llama_cpp", False):  # llama.cpp beside each dense run, at its -ngl
+        configs = [c for cfg in configs for c in
+                   ([cfg, {**cfg, "engine": "llama.cpp"}] if cfg["engine"] == "layer split" else [cfg])]
     for cfg in configs:
         cfg.update(model=str(model), threads=args.threads, n_predict=args.n_predict, mode=args.mode,
                    cache_type=str(cache_dtype(args)).removeprefix("torch."),
                    ctx_size=args.ctx_size, prompt_tokens=args.prompt_tokens, reps=args.reps, cpu_bw=m["cpu_read_bandwidth_gib_s"],
                    gpu_bw=m.get("gpu_read_bandwidth_gib_s", 0.0))
+        if cfg["engine"] == "llama.cpp" and getattr(args, "llama_cpp_model", None):
+            cfg["model"] = str(args.llama_cpp_model)
         poll = _GpuMemoryPoller() if cfg["vram_budget"] > 0 else None  # CPU only: no NVML reads beside it
         with poll or contextlib.nullcontext():
             p = subprocess.run([sys.executable, "-m", "hybridsparse.runtime.bench", "hybrid-one", json.dumps(cfg)],
@@ -382,10 +388,19 @@ def _hybrid(args) -> int:
         print(_hybrid_row(run), file=sys.stderr)
         write_json(args.json, result)  # after each run: a session cut short still leaves its results
     for run in result["runs"]:  # ratios side by side at each budget
-        same = [r for r in result["runs"] if r["vram_budget"] == run["vram_budget"] and r is not run
-                and r["engine"] == "layer split" and "decode_tok_s" in r]
-        if run["engine"] == "hybrid" and same and "decode_tok_s" in run:
-            run["speedup_vs_layer_split"] = run["decode_tok_s"] / same[0]["decode_tok_s"]
+        def at_budget(engine):
+            return next((r for r in result["runs"] if r["vram_budget"] == run["vram_budget"] and r is not run
+                         and r["engine"] == engine and "decode_tok_s" in r), None)
+        split, llama = at_budget("layer split"), at_budget("llama.cpp")
+        if run["engine"] == "llama.cpp" and split and "decode_tok_s" in run:
+            # llama.cpp reads what our dense split reads: the same roofline
+            run["bound_tok_s"] = split["bound_tok_s"]
+            run["fraction_of_bound"] = run["decode_tok_s"] / split["bound_tok_s"]
+        if run["engine"] == "hybrid" and "decode_tok_s" in run:
+            if split:
+                run["speedup_vs_layer_split"] = run["decode_tok_s"] / split["decode_tok_s"]
+            if llama:
+                run["speedup_vs_llama_cpp"] = run["decode_tok_s"] / llama["decode_tok_s"]
     write_json(args.json, result)
     print(hybrid_table(result))
     if args.json and any("decode_tok_s" in r for r in result["runs"]):
@@ -405,6 +420,8 @@ def _hybrid_row(r: dict) -> str:
 
 
 def _engine_label(r: dict) -> str:
+    if r["engine"] == "llama.cpp":
+        return "llama.cpp, CPU only" if r["vram_budget"] == 0 else "llama.cpp layer split"
     if r["vram_budget"] == 0:
         return "CPU-only sparse" if r["engine"] == "hybrid" else "CPU-only dense"
     return "hybrid sparse" if r["engine"] == "hybrid" else "dense layer split"
@@ -422,9 +439,11 @@ def hybrid_table(d: dict) -> str:
         if "error" in r:
             lines.append(f"| {r['vram_budget']:g} | {_engine_label(r)} | error: {r['error']} | | | | | |")
             continue
-        where = (f"-ngl {r['ngl']}" if r["engine"] == "layer split" else r.get("placement", ""))
+        where = (f"-ngl {r['ngl']}" if r["engine"] in ("layer split", "llama.cpp") else r.get("placement", ""))
         peak = f"{r['peak_device_bytes'] / 2**30:.2f}" if "peak_device_bytes" in r else ""
         sp = f"{r['speedup_vs_layer_split']:.2f}x" if "speedup_vs_layer_split" in r else ""
+        if "speedup_vs_llama_cpp" in r:
+            sp += f" ({r['speedup_vs_llama_cpp']:.2f}x llama.cpp)"
         lines.append(f"| {r['vram_budget']:g} | {_engine_label(r)} | {where} | {r.get('prefill_tok_s', 0):.1f} | "
                      f"{r['decode_tok_s']:.2f} | {sp} | {100 * r.get('fraction_of_bound', 0):.0f}% | {peak} |")
     return "\n".join(lines)
@@ -486,6 +505,8 @@ def _hybrid_one(cfg: dict) -> dict:
     from .sampling import Sampler, SamplingParams
     from hybridsparse.solver.plan import GiB, Hardware
     torch.set_num_threads(cfg["threads"])
+    if cfg["engine"] == "llama.cpp":
+        return _llama_cpp_one(cfg)
     cache = getattr(torch, cfg.get("cache_type", "float16"))  # the CPU layers' KV cache (-ctk/-ctv)
     t0 = time.perf_counter()
     if cfg["engine"] == "hybrid":
@@ -525,6 +546,25 @@ def _hybrid_one(cfg: dict) -> dict:
     if torch.cuda.is_available():
         out["torch_peak_reserved_bytes"] = torch.cuda.max_memory_reserved()
     return out
+
+
+def _llama_cpp_one(cfg: dict) -> dict:
+    """llama.cpp (llama-cpp-python) on the configuration's file at its -ngl: load, one warm-up, then `reps`
+    runs of the same prompt length and greedy tokens as ours (its own tokenizer, the same text)"""
+    try:
+        t0 = time.perf_counter()
+        runner = LlamaCppRunner(cfg["model"], cfg["threads"], cfg["ngl"], cfg.get("prompt_tokens", 8), cfg["n_predict"])
+    except ImportError:
+        raise InputError("llama-cpp-python is not installed (pip install llama-cpp-python)") from None
+    except ValueError as e:  # what llama-cpp-python raises when llama.cpp cannot load the file
+        raise InputError(f"{cfg['model']}: llama.cpp cannot load it ({e}); it reads llama.cpp-layout files only "
+                         "(hs-bench synth --layout llama.cpp)") from None
+    load_s = time.perf_counter() - t0
+    runner.once()  # warm-up
+    runs = [runner.once() for _ in range(cfg.get("reps", 1))]
+    return {"decode_tok_s": statistics.median(r["decode_tok_s"] for r in runs),
+            "prefill_tok_s": statistics.median(r["prefill_tok_s"] for r in runs),
+            "load_s": round(load_s, 1), "generated": cfg["n_predict"], "prompt_tokens": len(runner.prompt), "reps": runs}
 
 
 SYNC_S = 37e-6  # one device->host plus one host->device hand-over of the hidden state (HARDWARE.md: 17 + 20 us)
@@ -968,6 +1008,11 @@ def add_hybrid_bench_args(p) -> None:
                         "ones); sampled: active sets drawn from the profile")
     p.add_argument("--no-ngl", action="store_true", help="skip the layer-split runs")
     p.add_argument("--no-cpu-only", action="store_true", help="skip the CPU-only runs")
+    p.add_argument("--llama-cpp", action="store_true",
+                   help="also run llama.cpp (llama-cpp-python) on the same file at each dense run's -ngl, in a "
+                        "process of its own (a llama.cpp-layout file: llama.cpp cannot read PowerInfer's)")
+    p.add_argument("--llama-cpp-model", help="with --llama-cpp: the file llama.cpp runs (default: the model's own), "
+                   "e.g. the llama.cpp-layout twin of a PowerInfer file (hs-bench synth writes either from one seed)")
     p.add_argument("--timeout", type=float, default=600, help="seconds per configuration")
 
 
@@ -980,7 +1025,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("-n", "--n-predict", type=int, default=128)
     run.add_argument("--reps", type=int, default=5,
                      help="timed runs per engine (median), after one warm-up; engines alternate run by run")
-    run.add_argument("--llama-cpp", action="store_true", help="also run llama.cpp (llama-cpp-python) on the same file")
+    run.add_argument("--llama-cpp", action="store_true", help="also run llama.cpp (llama-cpp-python) on the same file "
+                     "(with --vram-budget: beside each dense engine, at its -ngl)")
     run.add_argument("--compare-graphs", action="store_true", help="also run without CUDA graphs")
     run.add_argument("--json", help="write the results here")
     run.add_argument("--vram-budget", type=float, help="GiB: run the four engines side by side instead (hybrid "
@@ -989,6 +1035,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--mode", choices=["predictor", "sampled", "dense"], default="predictor",
                      help="with --vram-budget: how the hybrid chooses active rows (default: %(default)s)")
     run.add_argument("--no-cpu-only", action="store_true", help="with --vram-budget: skip the CPU-only engines")
+    run.add_argument("--llama-cpp-model", help="with --vram-budget --llama-cpp: the file llama.cpp runs (default: -m), "
+                     "e.g. the llama.cpp-layout twin of a PowerInfer file")
     run.add_argument("--timeout", type=float, default=600, help="with --vram-budget: seconds per engine")
     run.set_defaults(func=_run)
     kern = sub.add_parser("kernels", help="sparse ops: effective GiB/s at several densities, vs bandwidth and torch")

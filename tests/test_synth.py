@@ -191,6 +191,36 @@ def test_hybrid_benchmark_cpu_only_runs_both_engines_side_by_side(tmp_path):
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_hybrid_benchmark_runs_llama_cpp_beside_the_dense_engine(tmp_path):
+    """`hs-bench hybrid --llama-cpp`: llama.cpp in a process of its own beside each dense run, at its -ngl, on
+    the llama.cpp-layout twin of the PowerInfer file (--llama-cpp-model), the hybrid's ratio to it and its share
+    of the dense roofline; without llama-cpp-python that run fails with a one-line reason and the others stand.
+    llama.cpp on a PowerInfer file is refused by name."""
+    import importlib.util
+    import json
+    model = write_synth(tmp_path / "p", "tiny", "q4_0", "powerinfer", predictor_width=64)
+    twin = write_synth(tmp_path / "l", "tiny", "q4_0", "llama.cpp", predictor_width=64)
+    out = tmp_path / "h.json"
+    args = ["hybrid", "-m", str(model), "-t", "1", "--budgets", "", "--prompt-tokens", "4", "-n", "4", "-c", "16",
+            "--llama-cpp", "--json", str(out)]
+    have = importlib.util.find_spec("llama_cpp") is not None
+    assert bench.main(args + ["--llama-cpp-model", str(twin)]) == (0 if have else 1)
+    runs = json.loads(out.read_text())["runs"]
+    assert [(r["engine"], r.get("ngl")) for r in runs] == [("hybrid", None), ("layer split", 0), ("llama.cpp", 0)]
+    hybrid, split, llama = runs
+    assert llama["model"] == str(twin) and split["model"] == str(model)
+    if have:
+        assert llama["decode_tok_s"] > 0 and llama["fraction_of_bound"] == pytest.approx(
+            llama["decode_tok_s"] / split["bound_tok_s"])
+        assert hybrid["speedup_vs_llama_cpp"] == pytest.approx(hybrid["decode_tok_s"] / llama["decode_tok_s"])
+        assert "(%.2fx llama.cpp)" % hybrid["speedup_vs_llama_cpp"] in bench.hybrid_table(json.loads(out.read_text()))
+        assert bench.main(args) == 1  # llama.cpp cannot read the PowerInfer file itself
+        assert "reads llama.cpp-layout files only" in json.loads(out.read_text())["runs"][2]["error"]
+    else:
+        assert "llama-cpp-python is not installed" in llama["error"] and "speedup_vs_llama_cpp" not in hybrid
+    assert "error" not in hybrid and "error" not in split
+
+
 def test_kernel_benchmark_takes_types_and_shapes_in_any_case(tmp_path):
     out = tmp_path / "k.json"
     assert bench.main(["kernels", "-t", "1", "--shapes", "LLAMA-2-7B", "--types", "q8_0,f16", "--densities", "0.01",
