@@ -48,6 +48,9 @@ def model_problem(model_path: Path, profile_dir: Path, profile: Profile, vram_bu
             prefix = f"blk.{i}."
             ffn = {n: t for n, t in g.tensors.items() if n.startswith(prefix) and n[len(prefix):].split(".")[0] in
                    (*FFN_PARTS, "ffn_down_t") and n.endswith(".weight")}
+            down = ffn.get(prefix + "ffn_down.weight")
+            if down is not None and prefix + "ffn_down_t.weight" not in ffn:
+                ffn[down.name] = transposed_down_info(down)
             up = g.tensors.get(prefix + "ffn_up.weight")
             if up is None:
                 raise ModelError(f"{model_path}: tensor {prefix}ffn_up.weight is missing")
@@ -73,6 +76,22 @@ def model_problem(model_path: Path, profile_dir: Path, profile: Profile, vram_bu
         g.close()
         if side is not None:
             side.close()
+
+
+def transposed_down_info(down):
+    """A llama.cpp-layout ffn_down as the hybrid runtime reads it: transposed once into rows of
+    runtime.hybrid._transposed_type (float16 for block formats, whose blocks cannot be transposed: 3.6x the bytes
+    of Q4_0 rows), read by the CPU for cold neurons and gathered onto the GPU for hot ones. The plan counts
+    those bytes, not the file's (which undercounted a Q4_0 file's hot neurons' VRAM by ~1.8x)."""
+    from gguf import GGML_QUANT_SIZES
+
+    from hybridsparse.runtime.gguf_file import TensorInfo
+    from hybridsparse.runtime.hybrid import _transposed_type
+    n_ff, d_model = down.shape[0], down.rows  # ffn_down: d_model rows of n_ff
+    qt = _transposed_type(down.qtype, d_model)
+    block, size = GGML_QUANT_SIZES[qt]
+    return TensorInfo(down.name.replace("ffn_down", "ffn_down_t"), (d_model, n_ff), qt, down.offset,
+                      n_ff * d_model // block * size)
 
 
 def _gpu_nbytes(t) -> int:

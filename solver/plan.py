@@ -25,8 +25,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-SOLVER_VERSION = "hs-ilp-6"  # 2: the cost of a decode step without a CUDA graph; 3: STREAM_BYTES; 4: context;
-# 5: predictors timed with their attention block, activations for PREFILL_TOKENS; 6: the margin capped at 256 MiB
+SOLVER_VERSION = "hs-ilp-7"  # 2: the cost of a decode step without a CUDA graph; 3: STREAM_BYTES; 4: context;
+# 5: predictors timed with their attention block, activations for PREFILL_TOKENS; 6: the margin capped at 256 MiB;
+# 7: a llama.cpp-layout ffn_down counted as the transposed rows the runtime reads (solver/cli.py transposed_down_info)
 GiB = 1 << 30
 # VRAM that is not weights: the CUDA context and cuBLAS workspace (the driver counts them), the
 # activations, CUDA-graph buffers and allocator slack; plus a margin. The context as the

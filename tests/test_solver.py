@@ -186,3 +186,39 @@ def test_hs_solve_bad_inputs(relu_model, tmp_path, capsys):
     relu_model.with_name("relu.generated.gpuidx").write_bytes(b"GGUF\x03\x00\x00\x00garbage")
     assert cli.main(["-m", str(relu_model), "--vram-budget", "4"]) == 1
     assert "corrupt GPU index" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("dtype", ["q4_0", "q8_0", "f16"])
+def test_plan_counts_the_transposed_down_rows_the_runtime_reads(tmp_path, dtype):
+    """A llama.cpp-layout file's ffn_down is read by the hybrid runtime as rows transposed once (float16 for
+    block formats, runtime/hybrid.py transposed_down): the plan counts those bytes per neuron, on the CPU and
+    on the GPU, not the file's (a Q4_0 file's hot neurons took ~1.8x the VRAM the plan gave them); a PowerInfer
+    file of the same weights is counted as stored."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
+
+    from hybridsparse.runtime.gguf_file import GGUFFile
+    from hybridsparse.runtime.hybrid import transposed_down
+    from hybridsparse.runtime.synth import write_synth
+    hw = Hardware(gpu_bw=900e9, cpu_bw=60e9, sync_s=20e-6)
+    got = {}
+    for layout in ("llama.cpp", "powerinfer"):
+        model = write_synth(tmp_path / layout, "tiny", dtype, layout, predictor_width=64)
+        prof_dir = model.with_name(model.stem + ".hs-profile")
+        p = cli.model_problem(model, prof_dir, load_profile(prof_dir), int(GiB), hw, 256, 8)
+        got[layout] = p.layers[0]
+        g = GGUFFile(model)
+        d_model, n_ff = g.tensors["blk.0.ffn_up.weight"].shape[0], g.tensors["blk.0.ffn_up.weight"].rows
+        row = g.tensors["blk.0.ffn_up.weight"].row_bytes
+        if layout == "llama.cpp":
+            down_t = transposed_down(g, 1)[0]  # what the runtime reads
+            down_row = down_t.data.numel() * down_t.data.element_size() // n_ff
+            assert down_t.qtype == Q.F16
+            assert down_row == 2 * d_model
+        else:
+            down_row = g.tensors["blk.0.ffn_down_t.weight"].row_bytes
+            assert down_row == d_model // GGML_QUANT_SIZES[Q[dtype.upper()]][0] * GGML_QUANT_SIZES[Q[dtype.upper()]][1]
+        assert got[layout].neuron_bytes == 2 * row + down_row, layout
+        assert got[layout].gpu_neuron_bytes == 2 * row + down_row, layout  # formats the CUDA kernels read
+        g.close()
+    if dtype != "f16":
+        assert got["llama.cpp"].neuron_bytes > got["powerinfer"].neuron_bytes
