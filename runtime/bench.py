@@ -619,7 +619,7 @@ def _placement_bytes(lm, cfg) -> tuple[list[tuple[float, float]], tuple[float, f
         if isinstance(f, HybridFFN):
             freq = f.freq if f.freq is not None else (freqs[i].float() if freqs is not None else None)
         if isinstance(f, HybridFFN) and f.mode != "dense" and freq is not None:
-            per = ffn_bytes / f.n_ff
+            per = f._neuron_bytes  # the rows it reads: a llama.cpp file's ffn_down as transposed (float16 for blocks)
             hot = torch.zeros(f.n_ff, dtype=torch.bool)
             if f.n_hot:
                 hot[f._hot_on[torch.device("cpu")]] = True
@@ -629,7 +629,7 @@ def _placement_bytes(lm, cfg) -> tuple[list[tuple[float, float]], tuple[float, f
             pred = f.predictor.fc1.nbytes + f.predictor.fc2.nbytes
             gb, cb = (gb + pred, cb) if dev == "cuda" else (gb, cb + pred)
         elif isinstance(f, HybridFFN):
-            per = ffn_bytes / f.n_ff
+            per = f._neuron_bytes
             gb += f.n_hot * per * (f.fast is not None and f.fast.type == "cuda")
             cb += f.n_cold * per
         else:
