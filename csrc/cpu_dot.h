@@ -926,8 +926,7 @@ HS_AVX512 static inline void dot_f16_rows_avx512(const void* const* rows, const 
   }
   int64_t i = 0;
   for (; i + 32 <= n; i += 32) {
-    if constexpr (NEXT)
-      for (int r = 0; r < R; ++r) _mm_prefetch(static_cast<const char*>(rows[R + r]) + 2 * i, _MM_HINT_T1);
+    if constexpr (NEXT) ask_next_lines<R>(rows + R, 2 * i, 64);  // a step reads a line of each row
     const __m512 x0 = _mm512_loadu_ps(x + i), x1 = _mm512_loadu_ps(x + i + 16);
     for (int r = 0; r < R; ++r) {
       a[r][0] = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[r] + i))), x0, a[r][0]);
@@ -953,11 +952,7 @@ HS_AVX512 static inline void axpy_rows_f16_avx512(const float* s, const void* co
   for (int j = 0; j < AXPY_GROUP; ++j) sv[j] = _mm512_set1_ps(s[j]);
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
-    if constexpr (NEXT) {
-      if ((i & 31) == 0)  // 32 halves: a new 64-byte line of each row
-        for (int j = 0; j < AXPY_GROUP; ++j)
-          _mm_prefetch(reinterpret_cast<const char*>(static_cast<const uint16_t*>(rows[AXPY_GROUP + j]) + i), _MM_HINT_T1);
-    }
+    if constexpr (NEXT) ask_next_lines<AXPY_GROUP>(rows + AXPY_GROUP, 2 * i, 32);  // a step reads 32 bytes of each row
     __m512 acc = _mm512_loadu_ps(y + i);
     for (int j = 0; j < AXPY_GROUP; ++j)
       acc = _mm512_fmadd_ps(sv[j], _mm512_cvtph_ps(_mm256_loadu_si256(
@@ -988,11 +983,7 @@ template <int G, bool NEXT = false>
 HS_AVX512 static inline void axpy_rows_q4_0_avx512(const float* s, const void* const* rows, float* y, int64_t n) {
   const __m512 lut = _mm512_setr_ps(-8.f, -7.f, -6.f, -5.f, -4.f, -3.f, -2.f, -1.f, 0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f);
   for (int64_t b = 0; b < n / QK; ++b) {
-    if constexpr (NEXT) {
-      const int64_t off = b * static_cast<int64_t>(sizeof(BlockQ4_0));
-      if ((off & 63) < static_cast<int64_t>(sizeof(BlockQ4_0)))  // this block starts a new line of the row
-        for (int j = 0; j < G; ++j) _mm_prefetch(static_cast<const char*>(rows[G + j]) + off, _MM_HINT_T1);
-    }
+    if constexpr (NEXT) ask_next_lines<G>(rows + G, b * int64_t{sizeof(BlockQ4_0)}, sizeof(BlockQ4_0));
     float* yb = y + b * QK;
     __m512 a0 = _mm512_loadu_ps(yb), a1 = _mm512_loadu_ps(yb + 16);
     for (int j = 0; j < G; ++j) {
@@ -1020,11 +1011,7 @@ HS_AVX512 static inline void axpy_q4_0_avx512(float s, const void* row, float* y
 template <bool NEXT = false>
 HS_AVX512 static inline void axpy_rows_q8_0_avx512(const float* s, const void* const* rows, float* y, int64_t n) {
   for (int64_t b = 0; b < n / QK; ++b) {
-    if constexpr (NEXT) {
-      const int64_t off = b * static_cast<int64_t>(sizeof(BlockQ8_0));
-      if ((off & 63) < static_cast<int64_t>(sizeof(BlockQ8_0)))  // this block starts a new line of the row
-        for (int j = 0; j < AXPY_GROUP; ++j) _mm_prefetch(static_cast<const char*>(rows[AXPY_GROUP + j]) + off, _MM_HINT_T1);
-    }
+    if constexpr (NEXT) ask_next_lines<AXPY_GROUP>(rows + AXPY_GROUP, b * int64_t{sizeof(BlockQ8_0)}, sizeof(BlockQ8_0));
     float* yb = y + b * QK;
     __m512 a0 = _mm512_loadu_ps(yb), a1 = _mm512_loadu_ps(yb + 16);
     for (int j = 0; j < AXPY_GROUP; ++j) {
