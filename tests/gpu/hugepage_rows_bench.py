@@ -10,10 +10,8 @@ alternate. How many of each placement's bytes the kernel mapped with 2 MiB pages
 import mmap
 import os
 import re
-import statistics
 import sys
 import tempfile
-import time
 import warnings
 
 import numpy as np
@@ -22,7 +20,7 @@ from gguf import GGMLQuantizationType as Q
 
 from hybridsparse.runtime import kernels
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # tests/quant_utils.py
-from quant_utils import random_rows  # noqa: E402
+from rows_bench import alternating_gib_s, copies_from_memory  # noqa: E402
 
 kernels.ops()
 warnings.filterwarnings("ignore", "The given NumPy array is not writable")  # read-only maps, only read
@@ -66,9 +64,8 @@ def pmd_mapped_kib(tensors):
 
 
 with torch.inference_mode():
-    one = random_rows(qt, N, K).contiguous()
-    copies = max(2, -(-(1 << 30) // (one.numel() * one.element_size())))
-    raw = [random_rows(qt, N, K, seed=c).contiguous() for c in range(copies)]
+    raw = copies_from_memory(qt, N, K)
+    row = raw[0][0].numel() * raw[0].element_size()
     places = {"anon 4K": lambda t: anon(t, False), "anon THP": lambda t: anon(t, True),
               "/dev/shm": lambda t: filed(t, "/dev/shm"), "disk": lambda t: filed(t, os.environ.get("HP_DIR", "."))}
     ws, keep = {}, []
@@ -81,7 +78,6 @@ with torch.inference_mode():
         nb = sum(w.numel() * w.element_size() for w in ws[name])
         print(f"{name:9s}: {pmd_mapped_kib(ws[name]) / (nb / 1024):4.0%} of {nb / 2**30:.2f} GiB in 2 MiB pages", flush=True)
     del raw
-    row = one[0].numel() * one.element_size()
     x = torch.randn(1, K)
     g = np.random.default_rng(0)
     print(f"cpu path {kernels.cpu.cpu_path()}, {qt.name} rows of {row} bytes", flush=True)
@@ -89,12 +85,7 @@ with torch.inference_mode():
         idx = torch.from_numpy(np.sort(g.choice(N, int(N * density), replace=False)).astype(np.int32))
         for nt in [int(t) for t in os.environ.get("TH", "1,2").split(",")]:
             torch.set_num_threads(nt)
-            rates = {h: [] for h in ws}
-            for _ in range(5):
-                for h, wl in ws.items():
-                    for w in wl:
-                        t0 = time.perf_counter()
-                        kernels.cpu.sparse_rowdot(w, int(qt), x, idx, None)
-                        rates[h].append(idx.numel() * row / (time.perf_counter() - t0) / 2**30)
-            print(f"{qt.name} {density:4.0%} t={nt:2d}: " + "  ".join(
-                f"{h} {statistics.median(v):6.1f}" for h, v in rates.items()) + " GiB/s", flush=True)
+            rates = alternating_gib_s({h: ({}, lambda w: kernels.cpu.sparse_rowdot(w, int(qt), x, idx, None), wl)
+                                       for h, wl in ws.items()}, idx.numel() * row, passes=5)
+            print(f"{qt.name} {density:4.0%} t={nt:2d}: " + "  ".join(f"{h} {v:6.1f}" for h, v in rates.items())
+                  + " GiB/s", flush=True)

@@ -7,9 +7,7 @@ rows listed, over 1 GiB of copies taken in turn (more than the L3). GiB/s of the
   T=Q4_0 TH=1,16 python tests/gpu/read_ceiling_bench.py"""
 
 import os
-import statistics
 import sys
-import time
 
 import numpy as np
 import torch
@@ -17,35 +15,27 @@ from gguf import GGMLQuantizationType as Q
 
 from hybridsparse.runtime import kernels
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # tests/quant_utils.py
-from quant_utils import random_rows  # noqa: E402
+from rows_bench import alternating_gib_s, copies_from_memory  # noqa: E402
 
 kernels.ops()
 K, N = int(os.environ.get("K", 5120)), 13824
 qt = Q[os.environ.get("T", "Q4_0")]
-one = random_rows(qt, N, K)
-copies = max(2, -(-(1 << 30) // (one.numel() * one.element_size())))
-ws = [one.contiguous()] + [random_rows(qt, N, K, seed=s + 1).contiguous() for s in range(copies - 1)]
-row = one[0].numel() * one.element_size()
+ws = copies_from_memory(qt, N, K)
+row = ws[0][0].numel() * ws[0].element_size()
 x = torch.randn(1, K)
-print(f"cpu path {kernels.cpu.cpu_path()}, {qt.name} rows of {row} bytes, {copies} copies", flush=True)
+print(f"cpu path {kernels.cpu.cpu_path()}, {qt.name} rows of {row} bytes, {len(ws)} copies", flush=True)
 for d in [float(v) for v in os.environ.get("D", "0.03,0.1,0.33,1.0").split(",")]:
     idx = torch.tensor(np.sort(np.random.default_rng(1).choice(N, int(N * d), replace=False)), dtype=torch.int32)
     for nt in [int(t) for t in os.environ.get("TH", "1,2").split(",")]:
         torch.set_num_threads(nt)
-        ways = {"row-dot +1": ("1", lambda w: kernels.cpu.sparse_rowdot(w, int(qt), x, idx, None)),
-                "row-dot +2": ("2", lambda w: kernels.cpu.sparse_rowdot(w, int(qt), x, idx, None)),
-                "read 8 +1": ("1", lambda w: kernels.cpu.read_rows(w, idx, 8, 1)),
-                "read 8 +2": ("1", lambda w: kernels.cpu.read_rows(w, idx, 8, 2)),
-                "read 8": ("1", lambda w: kernels.cpu.read_rows(w, idx, 8, 0)),
-                "read 1": ("1", lambda w: kernels.cpu.read_rows(w, idx, 1, 0))}
-        times = {k: [] for k in ways}
-        for _ in range(3):
-            for k, (ask, f) in ways.items():
-                os.environ["HS_NEXT_ROWS"] = ask
-                for w in ws:
-                    t = time.perf_counter()
-                    f(w)
-                    times[k].append(time.perf_counter() - t)
-        print(f"{qt.name} {d:4.0%} t={nt:2d}: " + "  ".join(
-            f"{k} {idx.numel() * row / 2**30 / statistics.median(v):6.1f}" for k, v in times.items()) + " GiB/s",
-            flush=True)
+        def rowdot(w):
+            kernels.cpu.sparse_rowdot(w, int(qt), x, idx, None)
+        rates = alternating_gib_s({
+            "row-dot +1": ({"HS_NEXT_ROWS": "1"}, rowdot, ws),
+            "row-dot +2": ({"HS_NEXT_ROWS": "2"}, rowdot, ws),
+            "read 8 +1": ({}, lambda w: kernels.cpu.read_rows(w, idx, 8, 1), ws),
+            "read 8 +2": ({}, lambda w: kernels.cpu.read_rows(w, idx, 8, 2), ws),
+            "read 8": ({}, lambda w: kernels.cpu.read_rows(w, idx, 8, 0), ws),
+            "read 1": ({}, lambda w: kernels.cpu.read_rows(w, idx, 1, 0), ws)}, idx.numel() * row)
+        print(f"{qt.name} {d:4.0%} t={nt:2d}: " + "  ".join(f"{k} {v:6.1f}" for k, v in rates.items()) + " GiB/s",
+              flush=True)

@@ -7,9 +7,7 @@ next group's rows, RF_VAR=HS_NEXT_ROWS RF_VALUES=1,0 RF_TYPES=Q4_0); RF_DENSITIE
   RF_THREADS=1,2 python tests/gpu/rows_in_flight_bench.py   (the GPU machine's Xeon: RF_THREADS=16)"""
 
 import os
-import statistics
 import sys
-import time
 
 import numpy as np
 import torch
@@ -17,7 +15,7 @@ from gguf import GGMLQuantizationType as Q
 
 from hybridsparse.runtime import kernels
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # tests/quant_utils.py
-from quant_utils import random_rows  # noqa: E402
+from rows_bench import alternating_gib_s, copies_from_memory  # noqa: E402
 
 kernels.ops()
 K, N = 5120, 13824
@@ -29,24 +27,16 @@ types = [Q[t] for t in os.environ.get("RF_TYPES", "F16,Q8_0,Q4_0").split(",")]
 g = np.random.default_rng(0)
 print(f"cpu path {kernels.cpu.cpu_path()}", flush=True)
 for qt in types:
-    one = random_rows(qt, N, K).contiguous()
-    copies = max(2, -(-(1 << 30) // (one.numel() * one.element_size())))
-    ws = [one] + [random_rows(qt, N, K, seed=c + 1).contiguous() for c in range(copies - 1)]
-    row = one[0].numel() * one.element_size()
+    ws = copies_from_memory(qt, N, K)
+    row = ws[0][0].numel() * ws[0].element_size()
     x = torch.randn(1, K)
     for density in densities:
         idx = torch.from_numpy(np.sort(g.choice(N, int(N * density), replace=False)).astype(np.int32))
         for nt in threads:
             torch.set_num_threads(nt)
-            rates = {r: [] for r in rows_tried}
-            for _ in range(3):
-                for r in rows_tried:
-                    os.environ[var] = r
-                    for w in ws:
-                        t0 = time.perf_counter()
-                        kernels.cpu.sparse_rowdot(w, int(qt), x, idx, None)
-                        rates[r].append(idx.numel() * row / (time.perf_counter() - t0) / 2**30)
-            print(f"{qt.name:5s} {density:.0%} t={nt:2d}: " + "  ".join(
-                f"{var}={r} {statistics.median(v):6.1f}" for r, v in rates.items()) + " GiB/s", flush=True)
-    del ws, one
+            rates = alternating_gib_s({f"{var}={r}": ({var: r}, lambda w: kernels.cpu.sparse_rowdot(w, int(qt), x, idx, None),
+                                                     ws) for r in rows_tried}, idx.numel() * row)
+            print(f"{qt.name:5s} {density:.0%} t={nt:2d}: " + "  ".join(f"{k} {v:6.1f}" for k, v in rates.items())
+                  + " GiB/s", flush=True)
+    del ws
 os.environ.pop(var, None)

@@ -1,0 +1,30 @@
+"""What the scattered-rows benchmarks of this folder share (rows_in_flight_bench.py, read_ceiling_bench.py,
+hugepage_rows_bench.py; not a test): weights enough to come from memory, and variants timed alternating."""
+
+import os
+import statistics
+import time
+
+from quant_utils import random_rows
+
+
+def copies_from_memory(qt, n, k):
+    """N x K rows of type qt, random, in as many copies as make over 1 GiB (more than the L3), taken in turn"""
+    one = random_rows(qt, n, k).contiguous()
+    copies = max(2, -(-(1 << 30) // (one.numel() * one.element_size())))
+    return [one] + [random_rows(qt, n, k, seed=c + 1).contiguous() for c in range(copies - 1)]
+
+
+def alternating_gib_s(variants, nbytes, passes=3):
+    """variants: name -> (settings, fn, weights). Each pass runs every variant in turn, fn(w) for each of its
+    weights with its settings put in os.environ (switches read per call); name -> GiB/s of the nbytes a call
+    reads, the median over its calls"""
+    times = {name: [] for name in variants}
+    for _ in range(passes):
+        for name, (settings, fn, weights) in variants.items():
+            os.environ.update(settings)
+            for w in weights:
+                t0 = time.perf_counter()
+                fn(w)
+                times[name].append(time.perf_counter() - t0)
+    return {name: nbytes / 2**30 / statistics.median(t) for name, t in times.items()}
