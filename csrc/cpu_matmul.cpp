@@ -141,25 +141,40 @@ using AxpyRow = void (*)(float, const void*, float*, int64_t);
 using AxpyGroup = void (*)(const float*, const void* const*, float*, int64_t);
 
 // The axpy of one row (direct, no row buffer) and of AXPY_GROUP rows for a type; null where the
-// compiled code has none (the row then goes through dequant_row, or the caller declines).
-void pick_axpy(int64_t qtype, AxpyRow& direct, AxpyGroup& group) {
+// compiled code has none (the row then goes through dequant_row, or the caller declines). group_next:
+// the group's kernel that also asks for the next group's rows (rows[AXPY_GROUP..2 AXPY_GROUP-1]; the same
+// sums as group's), where the type has one.
+void pick_axpy(int64_t qtype, AxpyRow& direct, AxpyGroup& group, AxpyGroup* group_next = nullptr) {
   direct = nullptr;
   group = nullptr;
+  AxpyGroup next = nullptr;
 #ifdef HS_X86
-  if (!cpu_has_avx2()) return;
-  switch (qtype) {
-    case F16: direct = axpy_f16_avx2; group = cpu_has_avx512() ? axpy_group_f16_avx512 : axpy_group_f16_avx2; break;
-    case BF16: direct = axpy_bf16_avx2; break;
-    case Q8_0: direct = axpy_q8_0_avx2; group = cpu_has_avx512() ? axpy_group_q8_0_avx512 : axpy_group_q8_0_avx2; break;
-    case Q4_0:
-      direct = cpu_has_avx512() ? axpy_q4_0_avx512 : axpy_q4_0_avx2;
-      group = cpu_has_avx512() ? axpy_group_q4_0_avx512 : axpy_group_q4_0_avx2;
-      break;
-    case Q5_0: direct = axpy_q5_0_avx2; group = axpy_group_q5_0_avx2; break;
+  if (cpu_has_avx2()) {
+    const bool w = cpu_has_avx512();
+    switch (qtype) {
+      case F16:
+        direct = axpy_f16_avx2;
+        group = w ? axpy_group_f16_avx512 : axpy_group_f16_avx2;
+        next = w ? axpy_group_f16_avx512_next : axpy_group_f16_avx2_next;
+        break;
+      case BF16: direct = axpy_bf16_avx2; break;
+      case Q8_0:
+        direct = axpy_q8_0_avx2;
+        group = w ? axpy_group_q8_0_avx512 : axpy_group_q8_0_avx2;
+        next = w ? axpy_group_q8_0_avx512_next : axpy_group_q8_0_avx2_next;
+        break;
+      case Q4_0:
+        direct = w ? axpy_q4_0_avx512 : axpy_q4_0_avx2;
+        group = w ? axpy_group_q4_0_avx512 : axpy_group_q4_0_avx2;
+        next = w ? axpy_group_q4_0_avx512_next : axpy_group_q4_0_avx2_next;
+        break;
+      case Q5_0: direct = axpy_q5_0_avx2; group = axpy_group_q5_0_avx2; break;
+    }
   }
 #else
   (void)qtype;
 #endif
+  if (group_next) *group_next = next;
 }
 
 // How far ahead of the row being computed its thread prefetches (4 rows of a small model, at most
@@ -760,27 +775,15 @@ bool sparse_ffn_fused_cpu(const at::Tensor& x, const at::Tensor& up, int64_t up_
   if (gated && gate_type != up_type) return false;
   if (up_type != F16 && up_type != Q8_0 && up_type != Q4_0 && up_type != Q5_0) return false;
   AxpyRow direct;
-  AxpyGroup group;
-  pick_axpy(down_type, direct, group);
+  AxpyGroup group, group_next;
+  pick_axpy(down_type, direct, group, &group_next);
   if (!group) return false;
-  // listed rows side by side ask for the next group's rows while they compute (next_groups); one token's Q4_0,
-  // Q8_0 and float16 down rows (AVX-512 or AVX2): a group's axpy runs once the group after it is queued, asking
-  // for its rows meanwhile
+  // listed rows side by side ask for the next group's rows while they compute (next_groups); one token's down
+  // rows where the type has such a kernel: a group's axpy runs once the group after it is queued, asking for
+  // its rows meanwhile
   const int ahead_groups = next_groups();
   const bool ask_next = ahead_groups > 0;
-  AxpyGroup group_next = nullptr;
-#ifdef HS_X86
-  if (x.size(0) == 1 && !masked && ask_next && cpu_has_avx512())
-    group_next = down_type == Q4_0   ? axpy_group_q4_0_avx512_next
-                 : down_type == Q8_0 ? axpy_group_q8_0_avx512_next
-                 : down_type == F16  ? axpy_group_f16_avx512_next
-                                     : nullptr;
-  else if (x.size(0) == 1 && !masked && ask_next && cpu_has_avx2())
-    group_next = down_type == Q4_0   ? axpy_group_q4_0_avx2_next
-                 : down_type == Q8_0 ? axpy_group_q8_0_avx2_next
-                 : down_type == F16  ? axpy_group_f16_avx2_next
-                                     : nullptr;
-#endif
+  if (!(x.size(0) == 1 && !masked && ask_next)) group_next = nullptr;
   HS_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(), "sparse_ffn: x must be contiguous float32");
   const int64_t T = x.size(0), K = x.size(1);
   check_weight(up, up_type, K, "sparse_ffn");
