@@ -9,7 +9,6 @@ alternate. How many of each placement's bytes the kernel mapped with 2 MiB pages
 
 import mmap
 import os
-import re
 import sys
 import tempfile
 import warnings
@@ -20,7 +19,7 @@ from gguf import GGMLQuantizationType as Q
 
 from hybridsparse.runtime import kernels
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # tests/quant_utils.py
-from rows_bench import alternating_gib_s, copies_from_memory  # noqa: E402
+from rows_bench import alternating_gib_s, copies_from_memory, mapped_kib  # noqa: E402
 
 kernels.ops()
 warnings.filterwarnings("ignore", "The given NumPy array is not writable")  # read-only maps, only read
@@ -51,16 +50,13 @@ def filed(t, folder):
 
 
 def pmd_mapped_kib(tensors):
-    """KiB of these tensors' mappings the kernel maps with 2 MiB pages (AnonHugePages, ShmemPmdMapped,
-    FilePmdMapped in /proc/self/smaps)"""
+    """KiB of these tensors' mappings the kernel maps with 2 MiB pages"""
     starts = {t.data_ptr() for t in tensors}
-    total = 0
-    for block in re.split(r"\n(?=[0-9a-f]+-[0-9a-f]+ )", open("/proc/self/smaps").read()):
-        lo = int(block.split("-", 1)[0], 16)
-        hi = int(block.split("-", 1)[1].split()[0], 16)
-        if any(lo <= s < hi for s in starts):
-            total += sum(int(v) for v in re.findall(r"(?:AnonHugePages|ShmemPmdMapped|FilePmdMapped):\s+(\d+)", block))
-    return total
+
+    def holds_one(header):
+        lo, hi = (int(a, 16) for a in header.split()[0].split("-"))
+        return any(lo <= s < hi for s in starts)
+    return mapped_kib(holds_one)[0]
 
 
 with torch.inference_mode():

@@ -53,6 +53,7 @@ from hybridsparse.runtime import hybrid, kernels, layers
 from hybridsparse.runtime.generate import Generator
 from hybridsparse.runtime.hybrid import HybridOptions
 from hybridsparse.runtime.loader import open_model
+from rows_bench import mapped_kib  # this folder's
 
 kernels.ops()  # built or loaded now: kernels.cpu below
 model, budget = sys.argv[1], float(sys.argv[2])
@@ -70,20 +71,6 @@ if os.environ.get("HS_PROFILE_DEFAULT_HW") != "1":
     print(f"read bandwidth: CPU {bw['cpu']:.1f} GiB/s, GPU {bw['cuda']:.1f} GiB/s (the plan's figures)")
     hw = Hardware(bw["cuda"] * GiB, bw["cpu"] * GiB, 20e-6)
 lm = open_model(model, hybrid=HybridOptions(vram_budget=budget, mode=mode, n_ctx=512, hardware=hw), log_line=print)
-
-
-def pmd_mapped(path):
-    """(KiB of the model file's mappings in 2 MiB pages, KiB resident): 4 KiB pages in /dev/shm (tmpfs),
-    2 MiB where the page cache holds large folios (ext4/xfs on recent kernels)"""
-    import re
-    real, pmd, rss = os.path.realpath(path), 0, 0
-    for block in re.split(r"\n(?=[0-9a-f]+-[0-9a-f]+ )", open("/proc/self/smaps").read()):
-        if block.split("\n", 1)[0].endswith(real):
-            pmd += sum(int(v) for v in re.findall(r"(?:ShmemPmdMapped|FilePmdMapped):\s+(\d+)", block))
-            rss += sum(int(v) for v in re.findall(r"\nRss:\s+(\d+)", block))
-    return pmd, rss
-
-
 m = lm.model
 sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
 
@@ -278,7 +265,8 @@ if "trace" in modes and torch.cuda.is_available():  # the graphed step's GPU tim
         print("  activities by device time (per step: count, ms, us each):")
         for name, (c, tot) in sorted(kinds.items(), key=lambda kv: -kv[1][1])[:16]:
             print(f"  {c / 3:6.0f} {tot / 3 / 1e3:7.2f} {tot / c:7.1f}  {name}")
-pmd_kib, rss_kib = pmd_mapped(model)
+real = os.path.realpath(model)
+pmd_kib, rss_kib = mapped_kib(lambda header: header.endswith(real))  # 2 MiB pages where the page cache has large folios
 print(f"model mapping: {rss_kib / 2**20:.1f} GiB resident, {pmd_kib / max(rss_kib, 1):.0%} of it in 2 MiB pages")
 if hybrid.TIMING:
     print("host time per token by part (events path):")

@@ -1,15 +1,17 @@
 """What the scattered-rows benchmarks of this folder share (rows_in_flight_bench.py, read_ceiling_bench.py,
-hugepage_rows_bench.py; not a test): weights enough to come from memory, and variants timed alternating."""
+hugepage_rows_bench.py, and profile_hybrid.py's page count; not a test): weights enough to come from memory,
+variants timed alternating, how much of a mapping the kernel maps with 2 MiB pages."""
 
 import os
+import re
 import statistics
 import time
 
-from quant_utils import random_rows
-
 
 def copies_from_memory(qt, n, k):
-    """N x K rows of type qt, random, in as many copies as make over 1 GiB (more than the L3), taken in turn"""
+    """N x K rows of type qt, random, in as many copies as make over 1 GiB (more than the L3), taken in turn
+    (tests/quant_utils.py must be importable)"""
+    from quant_utils import random_rows
     one = random_rows(qt, n, k).contiguous()
     copies = max(2, -(-(1 << 30) // (one.numel() * one.element_size())))
     return [one] + [random_rows(qt, n, k, seed=c + 1).contiguous() for c in range(copies - 1)]
@@ -28,3 +30,14 @@ def alternating_gib_s(variants, nbytes, passes=3):
                 fn(w)
                 times[name].append(time.perf_counter() - t0)
     return {name: nbytes / 2**30 / statistics.median(t) for name, t in times.items()}
+
+
+def mapped_kib(keep):
+    """(KiB in 2 MiB pages, KiB resident) of this process's mappings whose /proc/self/smaps header line
+    ("lo-hi perms offset dev inode path") keep() accepts: AnonHugePages, ShmemPmdMapped, FilePmdMapped"""
+    pmd = rss = 0
+    for block in re.split(r"\n(?=[0-9a-f]+-[0-9a-f]+ )", open("/proc/self/smaps").read()):
+        if keep(block.split("\n", 1)[0]):
+            pmd += sum(int(v) for v in re.findall(r"(?:AnonHugePages|ShmemPmdMapped|FilePmdMapped):\s+(\d+)", block))
+            rss += sum(int(v) for v in re.findall(r"\nRss:\s+(\d+)", block))
+    return pmd, rss
