@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <type_traits>
 #include <string>
 
 #include "env.h"
@@ -780,6 +781,93 @@ HS_AVX512 static inline float dot_q4_0_avx512(const void* row, const ActQ8* a, i
 }
 HS_AVX512 static inline float dot_q5_0_avx512(const void* row, const ActQ8* a, int64_t nb) {
   return dot_q45_0_vnni<Q5_0>(row, a, nb);
+}
+
+// Prompts (several tokens) on Q4_0 / Q5_0 rows, 8 or 16 rows at a time with VNNI: the rows' blocks are
+// unpacked once per call into a buffer laid out row-interleaved (pack8_q45_0: int32 lane r of the k-th
+// vector of a block holds elements 4k..4k+3 of row r), and each token's four activation bytes meet all
+// the rows in one vpdpbusd with a broadcast operand, so one instruction serves 8 (256-bit) or 16
+// (512-bit) rows, and the scales, the offset term and the float accumulation are one vector operation
+// per token and block for all of them, where the per-row tile (dot_q45_0_tokens) spent them per row.
+// The same int32 sums as the per-row kernels; the float sums round in another order.
+// pack8_q45_0: rows[0..7] -> the 256-bit half `half` of `halves` of each vector: block b's k-th vector
+// at w[(b * 8 + k) * halves + half], row r's scale at d[(b * halves + half) * 8 + r]
+template <int64_t QT>
+HS_AVX512 static inline void pack8_q45_0(const void* const* rows, int64_t nb, __m256i* w, float* d, int half,
+                                         int halves) {
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256i u[8];
+    float* db = d + (b * halves + half) * 8;
+    for (int r = 0; r < 8; ++r) u[r] = unsigned_block_q45_0<QT>(rows[r], b, db[r]);
+    // 8 x 8 int32 transpose: u[r] lane k -> vector k lane r
+    __m256i t[8], s[8];
+    for (int r = 0; r < 8; r += 2) {
+      t[r] = _mm256_unpacklo_epi32(u[r], u[r + 1]);
+      t[r + 1] = _mm256_unpackhi_epi32(u[r], u[r + 1]);
+    }
+    for (int h = 0; h < 8; h += 4) {
+      s[h] = _mm256_unpacklo_epi64(t[h], t[h + 2]);
+      s[h + 1] = _mm256_unpackhi_epi64(t[h], t[h + 2]);
+      s[h + 2] = _mm256_unpacklo_epi64(t[h + 1], t[h + 3]);
+      s[h + 3] = _mm256_unpackhi_epi64(t[h + 1], t[h + 3]);
+    }
+    __m256i* o = w + b * 8 * halves + half;
+    for (int k = 0; k < 4; ++k) {
+      _mm256_store_si256(o + k * halves, _mm256_permute2x128_si256(s[k], s[k + 4], 0x20));
+      _mm256_store_si256(o + (k + 4) * halves, _mm256_permute2x128_si256(s[k], s[k + 4], 0x31));
+    }
+  }
+}
+
+// The dots of ROWS (8 or 16) packed rows (pack8_q45_0 into ROWS / 8 halves) with NT tokens:
+// out[t * ROWS + r] = row r . token t, where a[t * stride + b] is block b of token t. ONE_PLANE: the
+// activations' second plane is zero.
+template <int64_t QT, int ROWS, int NT, bool ONE_PLANE = false>
+HS_AVX512 static inline void dot8_q45_0_tokens(const void* w, const float* d, const ActQ8* a, int64_t nb,
+                                              int64_t stride, float* out) {
+  static_assert(ROWS == 8 || ROWS == 16, "8 or 16 rows");
+  using V = std::conditional_t<ROWS == 8, __m256i, __m512i>;
+  using F = std::conditional_t<ROWS == 8, __m256, __m512>;
+  constexpr float offset = QT == Q4_0 ? 8.f : 16.f;
+  const V* wv = static_cast<const V*>(w);
+  F acc[NT];
+  for (int t = 0; t < NT; ++t) {
+    if constexpr (ROWS == 8) acc[t] = _mm256_setzero_ps(); else acc[t] = _mm512_setzero_ps();
+  }
+  for (int64_t b = 0; b < nb; ++b) {
+    V wk[8];
+    for (int k = 0; k < 8; ++k) wk[k] = wv[b * 8 + k];
+    F dw;
+    if constexpr (ROWS == 8) dw = _mm256_loadu_ps(d + b * 8); else dw = _mm512_loadu_ps(d + b * 16);
+    for (int t = 0; t < NT; ++t) {
+      const ActQ8& at = a[t * stride + b];
+      const float ad = ONE_PLANE ? at.d * PLANE_SHIFT : at.d, as = offset * at.dsum;
+      const int32_t* x0 = reinterpret_cast<const int32_t*>(at.qs[0]);
+      const int32_t* x1 = reinterpret_cast<const int32_t*>(at.qs[1]);
+      if constexpr (ROWS == 8) {
+        __m256i i0 = _mm256_setzero_si256(), i1 = _mm256_setzero_si256();
+        for (int k = 0; k < 8; ++k) i0 = _mm256_dpbusd_epi32(i0, wk[k], _mm256_set1_epi32(x0[k]));
+        if constexpr (!ONE_PLANE) {
+          for (int k = 0; k < 8; ++k) i1 = _mm256_dpbusd_epi32(i1, wk[k], _mm256_set1_epi32(x1[k]));
+          i0 = _mm256_add_epi32(_mm256_slli_epi32(i0, 7), i1);  // PLANE_SHIFT = 128
+        }
+        const __m256 u = _mm256_fmsub_ps(_mm256_cvtepi32_ps(i0), _mm256_set1_ps(ad), _mm256_set1_ps(as));
+        acc[t] = _mm256_fmadd_ps(dw, u, acc[t]);
+      } else {
+        __m512i i0 = _mm512_setzero_si512(), i1 = _mm512_setzero_si512();
+        for (int k = 0; k < 8; ++k) i0 = _mm512_dpbusd_epi32(i0, wk[k], _mm512_set1_epi32(x0[k]));
+        if constexpr (!ONE_PLANE) {
+          for (int k = 0; k < 8; ++k) i1 = _mm512_dpbusd_epi32(i1, wk[k], _mm512_set1_epi32(x1[k]));
+          i0 = _mm512_add_epi32(_mm512_slli_epi32(i0, 7), i1);  // PLANE_SHIFT = 128
+        }
+        const __m512 u = _mm512_fmsub_ps(_mm512_cvtepi32_ps(i0), _mm512_set1_ps(ad), _mm512_set1_ps(as));
+        acc[t] = _mm512_fmadd_ps(dw, u, acc[t]);
+      }
+    }
+  }
+  for (int t = 0; t < NT; ++t) {
+    if constexpr (ROWS == 8) _mm256_storeu_ps(out + t * 8, acc[t]); else _mm512_storeu_ps(out + t * 16, acc[t]);
+  }
 }
 
 // Q4_0 rows four blocks (72 bytes) at a time in 512-bit registers (AVX-512 VBMI + VNNI; HS_Q4_WIDE=0

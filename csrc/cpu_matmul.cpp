@@ -397,6 +397,29 @@ using DotTokensK = void (*)(const void*, const ActQ8K*, int64_t, int64_t, float*
 DotTokens pick_tokens(int64_t qtype, int nt);
 DotTokensK pick_tokens_k(int64_t qtype, int nt);
 
+#ifdef HS_X86
+struct alignas(64) Vec512 { uint8_t b[64]; };  // storage for __m512i (std::vector allocates it aligned)
+using Dot8Tokens = void (*)(const void*, const float*, const ActQ8*, int64_t, int64_t, float*);
+
+// Whether a prompt on Q4_0 / Q5_0 rows takes 16 or 8 rows at a time (dot8_q45_0_tokens: AVX-512 VNNI);
+// HS_PROMPT_ROWS16=0 (read per call) keeps one row at a time, to compare.
+bool rows16_on() {
+  return cpu_has_avx512() && !env_off("HS_PROMPT_ROWS16");
+}
+
+// dot8_q45_0_tokens for 8 or 16 rows and 1..8 tokens, against two activation planes or one
+Dot8Tokens pick_dot8(int64_t qtype, int rows, int nt, bool one_plane) {
+#define HS_DOT8(QT, R, ONE) {dot8_q45_0_tokens<QT, R, 1, ONE>, dot8_q45_0_tokens<QT, R, 2, ONE>, \
+    dot8_q45_0_tokens<QT, R, 3, ONE>, dot8_q45_0_tokens<QT, R, 4, ONE>, dot8_q45_0_tokens<QT, R, 5, ONE>, \
+    dot8_q45_0_tokens<QT, R, 6, ONE>, dot8_q45_0_tokens<QT, R, 7, ONE>, dot8_q45_0_tokens<QT, R, 8, ONE>}
+  static const Dot8Tokens table[2][2][2][TOKEN_TILE] = {  // [Q5_0][16 rows][one plane][tokens - 1]
+      {{HS_DOT8(Q4_0, 8, false), HS_DOT8(Q4_0, 8, true)}, {HS_DOT8(Q4_0, 16, false), HS_DOT8(Q4_0, 16, true)}},
+      {{HS_DOT8(Q5_0, 8, false), HS_DOT8(Q5_0, 8, true)}, {HS_DOT8(Q5_0, 16, false), HS_DOT8(Q5_0, 16, true)}}};
+#undef HS_DOT8
+  return table[qtype == Q5_0][rows == 16][one_plane][nt - 1];
+}
+#endif
+
 // y_i[t, k] = W_i[row_i(k)] . x[t] for several weights in one parallel region, row_i(k) = idx_i[k]
 // (the sparse row-dot) or k (dense). One fork/join for q/k/v or gate/up, activations quantized once
 // per block format, and only the listed rows read.
@@ -502,6 +525,31 @@ std::vector<at::Tensor> qmatmul_rows_cpu(const std::vector<at::Tensor>& ws, cons
           if (ask)
             for (int j = 0; j < side; ++j) rws[side + j] = wp + static_cast<int64_t>(idx[k + dist + j]) * row_bytes;
           (ask ? dots_ask : dots)(rws, yp + k);
+        }
+      }
+      if (T > 1 && (qtype == Q4_0 || qtype == Q5_0) && k_end - k >= 8 && rows16_on()) {
+        // a prompt on Q4_0 / Q5_0 rows: 16 (then 8) rows at a time, unpacked once for all the tokens
+        // (dot8_q45_0_tokens); the last k_end - k < 8 rows go one at a time below
+        thread_local std::vector<Vec512> packed;
+        thread_local std::vector<float> scales;
+        packed.resize(nb * 8);
+        scales.resize(nb * 16);
+        const auto pack = qtype == Q4_0 ? pack8_q45_0<Q4_0> : pack8_q45_0<Q5_0>;
+        const bool one = act_planes() == 1;
+        const void* rws[16];
+        float tile[TOKEN_TILE * 16];
+        for (int rows = 16; rows >= 8; rows -= 8) {
+          for (; k + rows <= k_end; k += rows) {
+            for (int j = 0; j < rows; ++j) rws[j] = wp + (idx ? static_cast<int64_t>(idx[k + j]) : k + j) * row_bytes;
+            for (int h = 0; h < rows / 8; ++h)
+              pack(rws + 8 * h, nb, reinterpret_cast<__m256i*>(packed.data()), scales.data(), h, rows / 8);
+            for (int64_t t = 0; t < T; t += TOKEN_TILE) {
+              const int nt = static_cast<int>(std::min<int64_t>(TOKEN_TILE, T - t));
+              pick_dot8(qtype, rows, nt, one)(packed.data(), scales.data(), act32.data() + t * nb, nb, nb, tile);
+              for (int j = 0; j < nt; ++j)
+                for (int r = 0; r < rows; ++r) yp[(t + j) * M + k + r] = tile[j * rows + r];
+            }
+          }
         }
       }
       if (wide) {  // the rest one at a time (every row, when they are not listed sparsely)

@@ -311,6 +311,32 @@ def test_one_plane_activations(qtype, monkeypatch):
     torch.testing.assert_close(kernels.sparse_rowdot(w, qtype, x, idx), two, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q5_0])
+@pytest.mark.parametrize("planes", ["2", "1"])
+@pytest.mark.parametrize("tokens,n_threads", [(2, 1), (9, 2), (17, 1)])
+def test_prompt_rows_in_groups(qtype, planes, tokens, n_threads, threads, monkeypatch):
+    """A prompt on Q4_0 / Q5_0 rows takes them 16 and 8 at a time (dot8_q45_0_tokens, AVX-512 VNNI), the
+    last few one at a time: every row and a listed unsorted set, token counts below, at and past the
+    tile of 8, both activation planes or one, give the twin's sums and those of one row at a time
+    (HS_PROMPT_ROWS16=0)."""
+    torch.set_num_threads(n_threads)
+    monkeypatch.setenv("HS_ACT_PLANES", planes)
+    n, K = 61, 32 * 5  # one thread: 16 + 16 + 16 + 8 + 5 rows
+    w = random_rows(qtype, n, K, seed=21)
+    x = torch.randn(tokens, K, generator=torch.Generator().manual_seed(22))
+    idx = torch.randperm(n, generator=torch.Generator().manual_seed(23))[:45].int()
+    xq, wd = quantize_activations(x, 32, int(planes)), dequantize(w, qtype).double()
+    got = {}
+    for rows16 in ("1", "0"):
+        monkeypatch.setenv("HS_PROMPT_ROWS16", rows16)
+        got[rows16] = [kernels.matmul(x, w, qtype), kernels.sparse_rowdot(w, qtype, x, idx)]
+    for rows, g, g1 in zip((torch.arange(n), idx.long()), got["1"], got["0"]):
+        ref = xq @ wd[rows].T
+        scale = (xq.abs() @ wd[rows].abs().T).max()
+        assert ((g.double() - ref).abs().max() / scale).item() < 1e-6
+        assert ((g - g1).abs().max() / scale).item() < 1e-6
+
+
 def _has_vbmi() -> bool:
     try:
         return " avx512vbmi " in " " + open("/proc/cpuinfo").read().replace("\n", " ") + " "
