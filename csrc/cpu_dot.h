@@ -11,6 +11,7 @@
 #include "quant_blocks.h"
 
 #if defined(__x86_64__) || defined(_M_X64)
+#include <cpuid.h>
 #include <immintrin.h>
 #define HS_X86 1
 #define HS_AVX2 __attribute__((target("avx2,fma,f16c")))
@@ -793,7 +794,7 @@ HS_AVX512 static inline float dot_q5_0_avx512(const void* row, const ActQ8* a, i
 // pack8_q45_0: rows[0..7] -> the 256-bit half `half` of `halves` of each vector: block b's k-th vector
 // at w[(b * 8 + k) * halves + half], row r's scale at d[(b * halves + half) * 8 + r]
 template <int64_t QT>
-HS_AVX512 static inline void pack8_q45_0(const void* const* rows, int64_t nb, __m256i* w, float* d, int half,
+HS_AVX2 static inline void pack8_q45_0(const void* const* rows, int64_t nb, __m256i* w, float* d, int half,
                                          int halves) {
   for (int64_t b = 0; b < nb; ++b) {
     __m256i u[8];
@@ -869,6 +870,59 @@ HS_AVX512 static inline void dot8_q45_0_tokens(const void* w, const float* d, co
     if constexpr (ROWS == 8) _mm256_storeu_ps(out + t * 8, acc[t]); else _mm512_storeu_ps(out + t * 16, acc[t]);
   }
 }
+
+// dot8_q45_0_tokens's eight rows for CPUs without AVX-512: with AVX-VNNI (Alder Lake and later: the
+// 256-bit vpdpbusd in VEX form) or with AVX2's vpmaddubsw, whose int16 pair sums (at most 2 * 31 * 127)
+// add up four at a time before vpmaddwd widens them (weighted by the plane, as dot2_unsigned does).
+// Sixteen vector registers: the eight packed vectors are reloaded per token (from L1).
+#define HS_DOT8_256_BODY(DOT_PLANE)                                                                    \
+  constexpr float offset = QT == Q4_0 ? 8.f : 16.f;                                                   \
+  __m256 acc[NT];                                                                                      \
+  for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();                                           \
+  for (int64_t b = 0; b < nb; ++b) {                                                                   \
+    const __m256i* wk = static_cast<const __m256i*>(wv) + b * 8;                                      \
+    const __m256 dw = _mm256_loadu_ps(d + b * 8);                                                      \
+    for (int t = 0; t < NT; ++t) {                                                                     \
+      const ActQ8& at = a[t * stride + b];                                                             \
+      const float ad = ONE_PLANE ? at.d * PLANE_SHIFT : at.d, as = offset * at.dsum;                   \
+      __m256i i = DOT_PLANE(wk, reinterpret_cast<const int32_t*>(at.qs[0]), ONE_PLANE ? 1 : PLANE_SHIFT); \
+      if constexpr (!ONE_PLANE)                                                                        \
+        i = _mm256_add_epi32(i, DOT_PLANE(wk, reinterpret_cast<const int32_t*>(at.qs[1]), 1));          \
+      const __m256 u = _mm256_fmsub_ps(_mm256_cvtepi32_ps(i), _mm256_set1_ps(ad), _mm256_set1_ps(as)); \
+      acc[t] = _mm256_fmadd_ps(dw, u, acc[t]);                                                         \
+    }                                                                                                  \
+  }                                                                                                    \
+  for (int t = 0; t < NT; ++t) _mm256_storeu_ps(out + t * 8, acc[t]);
+
+// weight * sum over k of packed vector k against the broadcast activation dword x[k]
+HS_AVX2 static inline __m256i dot8_plane_avx2(const __m256i* wk, const int32_t* x, int16_t weight) {
+  __m256i s = _mm256_setzero_si256();
+  for (int h = 0; h < 8; h += 4) {
+    __m256i p = _mm256_maddubs_epi16(_mm256_load_si256(wk + h), _mm256_set1_epi32(x[h]));
+    for (int k = h + 1; k < h + 4; ++k)
+      p = _mm256_add_epi16(p, _mm256_maddubs_epi16(_mm256_load_si256(wk + k), _mm256_set1_epi32(x[k])));
+    s = _mm256_add_epi32(s, _mm256_madd_epi16(p, _mm256_set1_epi16(weight)));
+  }
+  return s;
+}
+template <int64_t QT, int NT, bool ONE_PLANE>
+HS_AVX2 static inline void dot8_q45_0_tokens_avx2(const void* wv, const float* d, const ActQ8* a, int64_t nb,
+                                                   int64_t stride, float* out) {
+  HS_DOT8_256_BODY(dot8_plane_avx2)
+}
+
+#define HS_AVXVNNI __attribute__((target("avx2,fma,f16c,avxvnni")))
+HS_AVXVNNI static inline __m256i dot8_plane_avxvnni(const __m256i* wk, const int32_t* x, int16_t weight) {
+  __m256i s = _mm256_setzero_si256();
+  for (int k = 0; k < 8; ++k) s = _mm256_dpbusd_avx_epi32(s, _mm256_load_si256(wk + k), _mm256_set1_epi32(x[k]));
+  return weight == 1 ? s : _mm256_slli_epi32(s, 7);  // PLANE_SHIFT = 128
+}
+template <int64_t QT, int NT, bool ONE_PLANE>
+HS_AVXVNNI static inline void dot8_q45_0_tokens_avxvnni(const void* wv, const float* d, const ActQ8* a, int64_t nb,
+                                                        int64_t stride, float* out) {
+  HS_DOT8_256_BODY(dot8_plane_avxvnni)
+}
+#undef HS_DOT8_256_BODY
 
 // Q4_0 rows four blocks (72 bytes) at a time in 512-bit registers (AVX-512 VBMI + VNNI; HS_Q4_WIDE=0
 // turns it off): one byte permute gathers the four blocks' 64 nibble
@@ -1142,11 +1196,29 @@ inline bool cpu_has_avx512() {
 #ifdef HS_X86
   static const bool ok = [] {
     const char* forced = std::getenv("HS_CPU_PATH");
-    if (forced && (std::string(forced) == "avx2" || std::string(forced) == "scalar")) return false;
+    if (forced && (std::string(forced) == "avx2" || std::string(forced) == "avxvnni" || std::string(forced) == "scalar"))
+      return false;
     __builtin_cpu_init();
     return cpu_has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
            __builtin_cpu_supports("avx512vnni");
+  }();
+  return ok;
+#else
+  return false;
+#endif
+}
+
+// AVX-VNNI (the 256-bit vpdpbusd in VEX form: Alder Lake and later, Zen 5), from CPUID leaf 7 subleaf 1
+// (EAX bit 4): this GCC's __builtin_cpu_supports does not know it. HS_CPU_PATH=avx2 or scalar: off;
+// HS_CPU_PATH=avxvnni: AVX2 with it (AVX-512 off), as on those CPUs.
+inline bool cpu_has_avxvnni() {
+#ifdef HS_X86
+  static const bool ok = [] {
+    const char* forced = std::getenv("HS_CPU_PATH");
+    if (forced && (std::string(forced) == "avx2" || std::string(forced) == "scalar")) return false;
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    return cpu_has_avx2() && __get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx) && (eax >> 4 & 1u);
   }();
   return ok;
 #else

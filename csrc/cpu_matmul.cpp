@@ -401,10 +401,11 @@ DotTokensK pick_tokens_k(int64_t qtype, int nt);
 struct alignas(64) Vec512 { uint8_t b[64]; };  // storage for __m512i (std::vector allocates it aligned)
 using Dot8Tokens = void (*)(const void*, const float*, const ActQ8*, int64_t, int64_t, float*);
 
-// Whether a prompt on Q4_0 / Q5_0 rows takes 16 or 8 rows at a time (dot8_q45_0_tokens: AVX-512 VNNI);
-// HS_PROMPT_ROWS16=0 (read per call) keeps one row at a time, to compare.
+// Whether a prompt on Q4_0 / Q5_0 rows takes 16 or 8 rows at a time (dot8_q45_0_tokens: AVX-512 VNNI;
+// dot8_q45_0_tokens_avxvnni / _avx2: 8 rows); HS_PROMPT_ROWS16=0 (read per call) keeps one row at a time,
+// to compare.
 bool rows16_on() {
-  return cpu_has_avx512() && !env_off("HS_PROMPT_ROWS16");
+  return cpu_has_avx2() && !env_off("HS_PROMPT_ROWS16");
 }
 
 // dot8_q45_0_tokens for 8 or 16 rows and 1..8 tokens, against two activation planes or one
@@ -416,6 +417,16 @@ Dot8Tokens pick_dot8(int64_t qtype, int rows, int nt, bool one_plane) {
       {{HS_DOT8(Q4_0, 8, false), HS_DOT8(Q4_0, 8, true)}, {HS_DOT8(Q4_0, 16, false), HS_DOT8(Q4_0, 16, true)}},
       {{HS_DOT8(Q5_0, 8, false), HS_DOT8(Q5_0, 8, true)}, {HS_DOT8(Q5_0, 16, false), HS_DOT8(Q5_0, 16, true)}}};
 #undef HS_DOT8
+#define HS_DOT8(F, QT, ONE) {F<QT, 1, ONE>, F<QT, 2, ONE>, F<QT, 3, ONE>, F<QT, 4, ONE>, F<QT, 5, ONE>, \
+                             F<QT, 6, ONE>, F<QT, 7, ONE>, F<QT, 8, ONE>}
+  static const Dot8Tokens narrow[2][2][2][TOKEN_TILE] = {  // [AVX-VNNI][Q5_0][one plane][tokens - 1]
+      {{HS_DOT8(dot8_q45_0_tokens_avx2, Q4_0, false), HS_DOT8(dot8_q45_0_tokens_avx2, Q4_0, true)},
+       {HS_DOT8(dot8_q45_0_tokens_avx2, Q5_0, false), HS_DOT8(dot8_q45_0_tokens_avx2, Q5_0, true)}},
+      {{HS_DOT8(dot8_q45_0_tokens_avxvnni, Q4_0, false), HS_DOT8(dot8_q45_0_tokens_avxvnni, Q4_0, true)},
+       {HS_DOT8(dot8_q45_0_tokens_avxvnni, Q5_0, false), HS_DOT8(dot8_q45_0_tokens_avxvnni, Q5_0, true)}}};
+#undef HS_DOT8
+  if (!cpu_has_avx512())
+    return narrow[cpu_has_avxvnni()][qtype == Q5_0][one_plane][nt - 1];
   return table[qtype == Q5_0][rows == 16][one_plane][nt - 1];
 }
 #endif
@@ -538,7 +549,7 @@ std::vector<at::Tensor> qmatmul_rows_cpu(const std::vector<at::Tensor>& ws, cons
         const bool one = act_planes() == 1;
         const void* rws[16];
         float tile[TOKEN_TILE * 16];
-        for (int rows = 16; rows >= 8; rows -= 8) {
+        for (int rows = cpu_has_avx512() ? 16 : 8; rows >= 8; rows -= 8) {
           for (; k + rows <= k_end; k += rows) {
             for (int j = 0; j < rows; ++j) rws[j] = wp + (idx ? static_cast<int64_t>(idx[k + j]) : k + j) * row_bytes;
             for (int h = 0; h < rows / 8; ++h)

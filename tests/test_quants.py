@@ -215,8 +215,28 @@ def test_avx2_rows_side_by_side_match_twin():
         pytest.skip("x86 only")
     here = Path(__file__).parent
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(here / "test_sparse_ops.py"),
-                        "-k", "side_by_side or gate_first or claimed_shares or rowdot or one_plane or gemv_streams or wide_q4_0"], capture_output=True, text=True,
+                        "-k", "side_by_side or gate_first or claimed_shares or rowdot or one_plane or gemv_streams or wide_q4_0 or prompt_rows"], capture_output=True, text=True,
                        timeout=600, env={**os.environ, "HS_CPU_PATH": "avx2"}, cwd=here.parent)
+    assert r.returncode == 0, r.stdout[-3000:]
+    assert " passed" in r.stdout and " failed" not in r.stdout
+
+
+@needs_kernels
+def test_avxvnni_prompt_rows_match_twin():
+    """HS_CPU_PATH=avxvnni (AVX2 plus the 256-bit VEX vpdpbusd, as on Alder Lake: AVX-512 off) takes a
+    prompt's Q4_0 / Q5_0 rows eight at a time with that instruction: the prompt-rows test, rerun in a
+    process on that path (on a CPU without AVX-VNNI it runs the AVX2 form again)."""
+    import os
+    import platform
+    import subprocess
+    import sys
+    from pathlib import Path
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("x86 only")
+    here = Path(__file__).parent
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(here / "test_sparse_ops.py"),
+                        "-k", "prompt_rows"], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "HS_CPU_PATH": "avxvnni"}, cwd=here.parent)
     assert r.returncode == 0, r.stdout[-3000:]
     assert " passed" in r.stdout and " failed" not in r.stdout
 
