@@ -791,6 +791,21 @@ HS_AVX512 static inline float dot_q5_0_avx512(const void* row, const ActQ8* a, i
 // (512-bit) rows, and the scales, the offset term and the float accumulation are one vector operation
 // per token and block for all of them, where the per-row tile (dot_q45_0_tokens) spent them per row.
 // The same int32 sums as the per-row kernels; the float sums round in another order.
+// Q8_0 rows go the same way with their weights made unsigned (w + 128, an exact byte flip) and an offset of
+// 128: their biased int32 sums exceed float's 24 bits, so they round once in the conversion (at most 4
+// in ~10^8; the float sums of the per-row kernels round more). AVX2's vpmaddubsw would saturate on
+// them: Q8_0 takes this route only with VNNI.
+constexpr float prompt_offset(int64_t qt) { return qt == Q4_0 ? 8.f : qt == Q5_0 ? 16.f : 128.f; }
+template <int64_t QT>
+HS_AVX2 static inline __m256i unsigned_block_prompt(const void* row, int64_t b, float& dw) {
+  if constexpr (QT == Q8_0) {
+    const BlockQ8_0& w = static_cast<const BlockQ8_0*>(row)[b];
+    dw = _cvtsh_ss(w.d);
+    return _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.qs)), _mm256_set1_epi8(char(0x80)));
+  } else {
+    return unsigned_block_q45_0<QT>(row, b, dw);
+  }
+}
 // pack8_q45_0: rows[0..7] -> the 256-bit half `half` of `halves` of each vector: block b's k-th vector
 // at w[(b * 8 + k) * halves + half], row r's scale at d[(b * halves + half) * 8 + r]
 template <int64_t QT>
@@ -799,7 +814,7 @@ HS_AVX2 static inline void pack8_q45_0(const void* const* rows, int64_t nb, __m2
   for (int64_t b = 0; b < nb; ++b) {
     __m256i u[8];
     float* db = d + (b * halves + half) * 8;
-    for (int r = 0; r < 8; ++r) u[r] = unsigned_block_q45_0<QT>(rows[r], b, db[r]);
+    for (int r = 0; r < 8; ++r) u[r] = unsigned_block_prompt<QT>(rows[r], b, db[r]);
     // 8 x 8 int32 transpose: u[r] lane k -> vector k lane r
     __m256i t[8], s[8];
     for (int r = 0; r < 8; r += 2) {
@@ -829,7 +844,7 @@ HS_AVX512 static inline void dot8_q45_0_tokens(const void* w, const float* d, co
   static_assert(ROWS == 8 || ROWS == 16, "8 or 16 rows");
   using V = std::conditional_t<ROWS == 8, __m256i, __m512i>;
   using F = std::conditional_t<ROWS == 8, __m256, __m512>;
-  constexpr float offset = QT == Q4_0 ? 8.f : 16.f;
+  constexpr float offset = prompt_offset(QT);
   const V* wv = static_cast<const V*>(w);
   F acc[NT];
   for (int t = 0; t < NT; ++t) {
@@ -876,7 +891,7 @@ HS_AVX512 static inline void dot8_q45_0_tokens(const void* w, const float* d, co
 // add up four at a time before vpmaddwd widens them (weighted by the plane, as dot2_unsigned does).
 // Sixteen vector registers: the eight packed vectors are reloaded per token (from L1).
 #define HS_DOT8_256_BODY(DOT_PLANE)                                                                    \
-  constexpr float offset = QT == Q4_0 ? 8.f : 16.f;                                                   \
+  constexpr float offset = prompt_offset(QT);                                                          \
   __m256 acc[NT];                                                                                      \
   for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();                                           \
   for (int64_t b = 0; b < nb; ++b) {                                                                   \

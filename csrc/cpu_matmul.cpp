@@ -404,8 +404,9 @@ using Dot8Tokens = void (*)(const void*, const float*, const ActQ8*, int64_t, in
 // Whether a prompt on Q4_0 / Q5_0 rows takes 16 or 8 rows at a time (dot8_q45_0_tokens: AVX-512 VNNI;
 // dot8_q45_0_tokens_avxvnni / _avx2: 8 rows); HS_PROMPT_ROWS16=0 (read per call) keeps one row at a time,
 // to compare.
-bool rows16_on() {
-  return cpu_has_avx2() && !env_off("HS_PROMPT_ROWS16");
+bool rows16_on(int64_t qtype) {
+  if (qtype != Q4_0 && qtype != Q5_0 && qtype != Q8_0) return false;
+  return (qtype == Q8_0 ? cpu_has_avx512() || cpu_has_avxvnni() : cpu_has_avx2()) && !env_off("HS_PROMPT_ROWS16");
 }
 
 // dot8_q45_0_tokens for 8 or 16 rows and 1..8 tokens, against two activation planes or one
@@ -413,21 +414,24 @@ Dot8Tokens pick_dot8(int64_t qtype, int rows, int nt, bool one_plane) {
 #define HS_DOT8(QT, R, ONE) {dot8_q45_0_tokens<QT, R, 1, ONE>, dot8_q45_0_tokens<QT, R, 2, ONE>, \
     dot8_q45_0_tokens<QT, R, 3, ONE>, dot8_q45_0_tokens<QT, R, 4, ONE>, dot8_q45_0_tokens<QT, R, 5, ONE>, \
     dot8_q45_0_tokens<QT, R, 6, ONE>, dot8_q45_0_tokens<QT, R, 7, ONE>, dot8_q45_0_tokens<QT, R, 8, ONE>}
-  static const Dot8Tokens table[2][2][2][TOKEN_TILE] = {  // [Q5_0][16 rows][one plane][tokens - 1]
+  static const Dot8Tokens table[3][2][2][TOKEN_TILE] = {  // [Q4_0, Q5_0, Q8_0][16 rows][one plane][tokens - 1]
       {{HS_DOT8(Q4_0, 8, false), HS_DOT8(Q4_0, 8, true)}, {HS_DOT8(Q4_0, 16, false), HS_DOT8(Q4_0, 16, true)}},
-      {{HS_DOT8(Q5_0, 8, false), HS_DOT8(Q5_0, 8, true)}, {HS_DOT8(Q5_0, 16, false), HS_DOT8(Q5_0, 16, true)}}};
+      {{HS_DOT8(Q5_0, 8, false), HS_DOT8(Q5_0, 8, true)}, {HS_DOT8(Q5_0, 16, false), HS_DOT8(Q5_0, 16, true)}},
+      {{HS_DOT8(Q8_0, 8, false), HS_DOT8(Q8_0, 8, true)}, {HS_DOT8(Q8_0, 16, false), HS_DOT8(Q8_0, 16, true)}}};
 #undef HS_DOT8
 #define HS_DOT8(F, QT, ONE) {F<QT, 1, ONE>, F<QT, 2, ONE>, F<QT, 3, ONE>, F<QT, 4, ONE>, F<QT, 5, ONE>, \
                              F<QT, 6, ONE>, F<QT, 7, ONE>, F<QT, 8, ONE>}
-  static const Dot8Tokens narrow[2][2][2][TOKEN_TILE] = {  // [AVX-VNNI][Q5_0][one plane][tokens - 1]
+  static const Dot8Tokens narrow[2][3][2][TOKEN_TILE] = {  // [AVX-VNNI][Q4_0, Q5_0, Q8_0][one plane][tokens - 1]
       {{HS_DOT8(dot8_q45_0_tokens_avx2, Q4_0, false), HS_DOT8(dot8_q45_0_tokens_avx2, Q4_0, true)},
-       {HS_DOT8(dot8_q45_0_tokens_avx2, Q5_0, false), HS_DOT8(dot8_q45_0_tokens_avx2, Q5_0, true)}},
+       {HS_DOT8(dot8_q45_0_tokens_avx2, Q5_0, false), HS_DOT8(dot8_q45_0_tokens_avx2, Q5_0, true)},
+       {}},  // Q8_0 needs VNNI (prompt_offset)
       {{HS_DOT8(dot8_q45_0_tokens_avxvnni, Q4_0, false), HS_DOT8(dot8_q45_0_tokens_avxvnni, Q4_0, true)},
-       {HS_DOT8(dot8_q45_0_tokens_avxvnni, Q5_0, false), HS_DOT8(dot8_q45_0_tokens_avxvnni, Q5_0, true)}}};
+       {HS_DOT8(dot8_q45_0_tokens_avxvnni, Q5_0, false), HS_DOT8(dot8_q45_0_tokens_avxvnni, Q5_0, true)},
+       {HS_DOT8(dot8_q45_0_tokens_avxvnni, Q8_0, false), HS_DOT8(dot8_q45_0_tokens_avxvnni, Q8_0, true)}}};
 #undef HS_DOT8
-  if (!cpu_has_avx512())
-    return narrow[cpu_has_avxvnni()][qtype == Q5_0][one_plane][nt - 1];
-  return table[qtype == Q5_0][rows == 16][one_plane][nt - 1];
+  const int type = qtype == Q4_0 ? 0 : qtype == Q5_0 ? 1 : 2;
+  if (!cpu_has_avx512()) return narrow[cpu_has_avxvnni()][type][one_plane][nt - 1];
+  return table[type][rows == 16][one_plane][nt - 1];
 }
 #endif
 
@@ -538,14 +542,14 @@ std::vector<at::Tensor> qmatmul_rows_cpu(const std::vector<at::Tensor>& ws, cons
           (ask ? dots_ask : dots)(rws, yp + k);
         }
       }
-      if (T > 1 && (qtype == Q4_0 || qtype == Q5_0) && k_end - k >= 8 && rows16_on()) {
-        // a prompt on Q4_0 / Q5_0 rows: 16 (then 8) rows at a time, unpacked once for all the tokens
+      if (T > 1 && k_end - k >= 8 && rows16_on(qtype)) {
+        // a prompt on Q4_0 / Q5_0 / Q8_0 rows: 16 (then 8) rows at a time, unpacked once for all the tokens
         // (dot8_q45_0_tokens); the last k_end - k < 8 rows go one at a time below
         thread_local std::vector<Vec512> packed;
         thread_local std::vector<float> scales;
         packed.resize(nb * 8);
         scales.resize(nb * 16);
-        const auto pack = qtype == Q4_0 ? pack8_q45_0<Q4_0> : pack8_q45_0<Q5_0>;
+        const auto pack = qtype == Q4_0 ? pack8_q45_0<Q4_0> : qtype == Q5_0 ? pack8_q45_0<Q5_0> : pack8_q45_0<Q8_0>;
         const bool one = act_planes() == 1;
         const void* rws[16];
         float tile[TOKEN_TILE * 16];

@@ -88,11 +88,11 @@ _polled_tasks: list[int] | None = None  # while a decode step is captured: its p
 # In bfloat16 (CPU_GEMM_BF16) the GEMM wins from fewer tokens: Gemma 3 270M Q4_K_M, 2 threads of the dev
 # VM, session 20, alternating: 16-token prompts 378 / 387 tok/s with the per-row kernels against 308 /
 # 305 with the GEMM, 32 tokens 382 / 393 against 347 / 500, 64 tokens 426 / 441 against 794 / 709.
-# Q4_0 / Q5_0 rows on AVX-512 VNNI take a prompt 16 rows at a time (csrc dot8_q45_0_tokens), which moves
-# the switch later: session 30's dev VM (a Xeon with AMX, whose bfloat16 GEMM torch uses), 11008 x 4096
-# Q4_0 rows, 2 threads: 64 tokens 164-175 GMAC/s against the bfloat16 GEMM's 122-125, 96 tokens 175 /
+# Q4_0 / Q5_0 / Q8_0 rows on AVX-512 VNNI take a prompt 16 rows at a time (csrc dot8_q45_0_tokens), which
+# moves the switch later: session 30's dev VM (a Xeon with AMX, whose bfloat16 GEMM torch uses), 11008 x
+# 4096 Q4_0 rows, 2 threads: 64 tokens 164-175 GMAC/s against the bfloat16 GEMM's 122-125, 96 tokens 175 /
 # 184, 112 tokens 168 / 204; with one activation plane (HS_ACT_PLANES=1) 96 tokens 274 / 172, 192
-# tokens 294 / 306.
+# tokens 294 / 306. Q8_0: 64 tokens 144-161 / 104-132, 96 tokens 152-164 / 146-184, 128 152 / 216-230.
 # HS_CPU_GEMM_TOKENS sets all three.
 CPU_GEMM_TOKENS = int(os.environ.get("HS_CPU_GEMM_TOKENS", "128"))
 CPU_GEMM_TOKENS_BF16 = int(os.environ.get("HS_CPU_GEMM_TOKENS", "48"))
@@ -478,14 +478,14 @@ def cpu_gemm_bf16(qtype: Q) -> bool:
 
 def cpu_gemm_tokens(qtype: Q) -> int:
     """From how many tokens a CPU matmul of rows of this type takes `cpu_gemm`."""
-    if qtype in (Q.Q4_0, Q.Q5_0) and _cpu_prompt_rows16():
+    if qtype in (Q.Q4_0, Q.Q5_0, Q.Q8_0) and _cpu_prompt_rows16():
         n = CPU_GEMM_TOKENS_ROWS16
         return 2 * n if "HS_CPU_GEMM_TOKENS" not in os.environ and os.environ.get("HS_ACT_PLANES") == "1" else n
     return CPU_GEMM_TOKENS_BF16 if cpu_gemm_bf16(qtype) else CPU_GEMM_TOKENS
 
 
 def _cpu_prompt_rows16() -> bool:
-    """Whether the compiled CPU kernels take a prompt's Q4_0 / Q5_0 rows 16 at a time (AVX-512 VNNI)."""
+    """Whether the compiled CPU kernels take a prompt's Q4_0 / Q5_0 / Q8_0 rows 16 at a time (AVX-512 VNNI)."""
     return ops() is not None and cpu.cpu_path() == "avx512" and os.environ.get("HS_PROMPT_ROWS16") != "0"
 
 
