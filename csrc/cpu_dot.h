@@ -1164,6 +1164,60 @@ HS_AVX512 static inline void axpy_q4_0_avx512(float s, const void* row, float* y
   axpy_rows_q4_0_avx512<1>(&s, &row, y, n);
 }
 
+// Several tokens' axpy over n rows at once (a prompt's or a batch's down projection): y[t * K + i] +=
+// sum_j h[t * hs + j] * row_j[i] for NT tokens. Each block of each row is turned into floats once for the
+// NT tokens and their sums over the block stay in registers across the n rows, where the per-token axpy
+// turned every row into floats once per token and passed over each token's y (16 KiB a token for a
+// 4096-wide model: the tokens' sums live in L2, not L1) once per group of rows. F16, Q8_0, Q4_0.
+template <int64_t QT, int NT>
+HS_AVX512 static inline void axpy_tokens_avx512(const float* h, int64_t hs, const void* const* rows, int n, float* y,
+                                               int64_t K) {
+  const __m512 lut = _mm512_setr_ps(-8.f, -7.f, -6.f, -5.f, -4.f, -3.f, -2.f, -1.f, 0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f);
+  for (int64_t b = 0; b < K / QK; ++b) {
+    __m512 a[NT][2];
+    for (int t = 0; t < NT; ++t) {
+      a[t][0] = _mm512_loadu_ps(y + t * K + b * QK);
+      a[t][1] = _mm512_loadu_ps(y + t * K + b * QK + 16);
+    }
+    for (int j = 0; j < n; ++j) {
+      __m512 w0, w1;
+      if constexpr (QT == F16) {
+        const uint16_t* r = static_cast<const uint16_t*>(rows[j]) + b * QK;
+        w0 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r)));
+        w1 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + 16)));
+      } else if constexpr (QT == Q8_0) {
+        const BlockQ8_0& w = static_cast<const BlockQ8_0*>(rows[j])[b];
+        const __m512 d = _mm512_set1_ps(_cvtsh_ss(w.d));
+        w0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.qs)))));
+        w1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.qs + 16)))));
+      } else {
+        static_assert(QT == Q4_0, "F16, Q8_0 or Q4_0");
+        const BlockQ4_0& w = static_cast<const BlockQ4_0*>(rows[j])[b];
+        const __m512 d = _mm512_set1_ps(_cvtsh_ss(w.d));
+        const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.qs)));
+        w0 = _mm512_mul_ps(d, _mm512_permutexvar_ps(v, lut));                       // low nibbles
+        w1 = _mm512_mul_ps(d, _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), lut));  // high nibbles
+      }
+      for (int t = 0; t < NT; ++t) {
+        const __m512 sv = _mm512_set1_ps(h[t * hs + j]);
+        a[t][0] = _mm512_fmadd_ps(sv, w0, a[t][0]);
+        a[t][1] = _mm512_fmadd_ps(sv, w1, a[t][1]);
+      }
+    }
+    for (int t = 0; t < NT; ++t) {
+      _mm512_storeu_ps(y + t * K + b * QK, a[t][0]);
+      _mm512_storeu_ps(y + t * K + b * QK + 16, a[t][1]);
+    }
+  }
+  if constexpr (QT == F16) {  // a float16 row's last K % 32 values
+    for (int64_t i = K / QK * QK; i < K; ++i)
+      for (int j = 0; j < n; ++j) {
+        const float w = _cvtsh_ss(static_cast<const uint16_t*>(rows[j])[i]);
+        for (int t = 0; t < NT; ++t) y[t * K + i] += h[t * hs + j] * w;
+      }
+  }
+}
+
 // NEXT: as axpy_rows_q4_0_avx512's
 template <bool NEXT = false>
 HS_AVX512 static inline void axpy_rows_q8_0_avx512(const float* s, const void* const* rows, float* y, int64_t n) {

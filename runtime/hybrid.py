@@ -713,7 +713,8 @@ class HybridFFN:
                                       check=False)
             return y
         down = self.down_t
-        if x.shape[0] < kernels.CPU_SPARSE_GEMM_TOKENS:  # each union row read once, each token's own pairs only
+        if x.shape[0] < kernels.CPU_SPARSE_GEMM_TOKENS and tok.float().mean().item() < kernels.CPU_MASKED_DENSE:
+            # each union row read once, each token's own pairs only
             y, _ = kernels.sparse_ffn_masked(x, w.up.data, w.up.qtype, None if gate is None else gate.data,
                                              gate.qtype if gate is not None else w.up.qtype, down.data, down.qtype,
                                              idx, tok.contiguous(), w.up_bias, spec.activation, spec.act_on_up)

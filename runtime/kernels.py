@@ -102,6 +102,13 @@ _CPU_GEMM_CHUNK_ROWS = 1024
 # big server batch) switch to gathered slices and GEMM later: the per-row kernels win up to ~384 tokens
 # on the 2-core dev VM; at 512-758 tokens the GEMM takes 0.4-0.75x their time (F16, Q8_0, Q4_0).
 CPU_SPARSE_GEMM_TOKENS = int(os.environ.get("HS_CPU_SPARSE_GEMM_TOKENS", "512"))
+# Several tokens over the union of their active cold neurons: from this fraction of (token, neuron) pairs
+# in their masks, every pair is computed (the union's rows against all the tokens, 16 rows at a time,
+# then the down rows for all the tokens at once) instead of each token's own pairs (sparse_ffn_masked).
+# Dev VM (session 30, a Xeon), S5's model CPU-only sparse through hs-run -t 2, a 32-token prompt (its
+# masks hold 30-40% of the union's pairs): 13.3-13.9 tok/s each token's own, 15.1-16.2 every pair from
+# 0 / 0.2 / 0.3; on random masks of a 7B layer (/tmp script) 33% of pairs are a tie, all of them 2.4x.
+CPU_MASKED_DENSE = float(os.environ.get("HS_MASKED_DENSE", "0.2"))
 
 _ops = None
 _load_error: str | None = None

@@ -54,6 +54,26 @@ def test_sparse_rowdot(qtype, which, tokens, n_threads, threads):
 
 
 @pytest.mark.parametrize("qtype", AXPY_TYPES)
+@pytest.mark.parametrize("tokens", [4, 11, 19])
+@pytest.mark.parametrize("density", [1.0, 0.5, 0.1])
+def test_sparse_axpy_many_tokens(qtype, tokens, density, threads, monkeypatch):
+    """Several tokens' down rows added for all the tokens at once (axpy_tokens: chunks of 16 listed rows,
+    tiles of 8 tokens, where enough of a chunk's pairs are active) or each token's own (few active, or
+    HS_AXPY_TOKENS=0): the twin's sums either way, an odd row length included (F16)."""
+    torch.set_num_threads(2)
+    w = random_rows(qtype, N_ROWS, _cols(qtype), seed=31)
+    idx = torch.randperm(N_ROWS, generator=torch.Generator().manual_seed(32))[:45].int()
+    g = torch.Generator().manual_seed(33)
+    h = torch.randn(tokens, 45, generator=g) * (torch.rand(tokens, 45, generator=g) < density)
+    ref = kernels.sparse_axpy_reference(w, qtype, h, idx)
+    y = kernels.sparse_axpy(w, qtype, h, idx)
+    monkeypatch.setenv("HS_AXPY_TOKENS", "0")
+    y0 = kernels.sparse_axpy(w, qtype, h, idx)
+    for got in (y, y0):
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * max(1.0, ref.abs().max().item()))
+
+
+@pytest.mark.parametrize("qtype", AXPY_TYPES)
 @pytest.mark.parametrize("which", ["empty", "single", "all", "unsorted", "none"])
 @pytest.mark.parametrize("n_threads", [1, 2])
 def test_sparse_axpy(qtype, which, n_threads, threads):
@@ -181,7 +201,7 @@ def test_sparse_rowdot_rows_side_by_side(rows, qtype, order, monkeypatch):
 
 @pytest.mark.parametrize("activation,gated,act_on_up", VARIANTS)
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q5_0, Q.F16, Q.BF16, Q.Q4_K])
-@pytest.mark.parametrize("tokens", [1, 3])
+@pytest.mark.parametrize("tokens", [1, 3, 11])  # 11: two tiles of tokens for the down rows (axpy_tokens)
 def test_sparse_ffn_with_a_mask_per_token(activation, gated, act_on_up, qtype, tokens):
     """Batched decode over the union of the tokens' active sets, each token only with its own neurons:
     the twin's y and h (h 0 outside the mask), including a token with no neuron at all."""
@@ -192,7 +212,7 @@ def test_sparse_ffn_with_a_mask_per_token(activation, gated, act_on_up, qtype, t
     down_type = qtype if qtype in AXPY_TYPES else Q.F16
     down = random_rows(down_type, N_ROWS, _cols(down_type), seed=4)
     idx = torch.randperm(N_ROWS, generator=g)[:40].int()
-    mask = torch.rand(tokens, 40, generator=g) < 0.4
+    mask = torch.rand(tokens, 40, generator=g) < (0.4 if tokens < 10 else 0.9)
     if tokens > 1:
         mask[1] = False
     x = torch.randn(tokens, K, generator=g)
