@@ -56,7 +56,9 @@ HYBRID_CASES = ["llama-relu", "llama-swiglu", "llama-drelu", "gemma3", "falcon-4
 
 
 @pytest.mark.parametrize("name", HYBRID_CASES)
-def test_oracle_sparse_equals_dense(name, tmp_path, monkeypatch):
+@pytest.mark.parametrize("masked_dense", [0.0, 2.0])  # a prompt's cold neurons: every pair / each token's own
+def test_oracle_sparse_equals_dense(name, masked_dense, tmp_path, monkeypatch):
+    monkeypatch.setattr(kernels, "CPU_MASKED_DENSE", masked_dense)
     _, dense = build_case(name, tmp_path)
     path = dense.gguf.path
     ids = torch.randint(0, VOCAB, (PROMPT,), generator=torch.Generator().manual_seed(3))
