@@ -401,9 +401,9 @@ DotTokensK pick_tokens_k(int64_t qtype, int nt);
 struct alignas(64) Vec512 { uint8_t b[64]; };  // storage for __m512i (std::vector allocates it aligned)
 using Dot8Tokens = void (*)(const void*, const float*, const ActQ8*, int64_t, int64_t, float*);
 
-// Whether a prompt on Q4_0 / Q5_0 rows takes 16 or 8 rows at a time (dot8_q45_0_tokens: AVX-512 VNNI;
-// dot8_q45_0_tokens_avxvnni / _avx2: 8 rows); HS_PROMPT_ROWS16=0 (read per call) keeps one row at a time,
-// to compare.
+// Whether a prompt on Q4_0 / Q5_0 / Q8_0 rows takes 16 or 8 rows at a time (dot8_q45_0_tokens: AVX-512
+// VNNI; dot8_q45_0_tokens_avxvnni / _avx2: 8 rows, Q8_0 only with VNNI); HS_PROMPT_ROWS16=0 (read per
+// call) keeps one row at a time, to compare.
 bool rows16_on(int64_t qtype) {
   if (qtype != Q4_0 && qtype != Q5_0 && qtype != Q8_0) return false;
   return (qtype == Q8_0 ? cpu_has_avx512() || cpu_has_avxvnni() : cpu_has_avx2()) && !env_off("HS_PROMPT_ROWS16");
@@ -732,7 +732,7 @@ AxpyTokens pick_axpy_tokens(int64_t qtype, int nt) {
   return nullptr;
 }
 
-// y[T, K] += hc[T, n] (row-major, n <= TOKEN_AXPY_ROWS columns, stride hs) times the n rows, a tile of
+// y[T, K] += hc[T, n] (n <= TOKEN_AXPY_ROWS columns, rows hs apart) times the n rows, a tile of
 // tokens at a time; false where the type has no such kernel (nothing added then)
 bool axpy_tokens(int64_t qtype, const float* hc, int64_t hs, const void* const* rows, int n, float* y, int64_t K,
                  int64_t T) {
@@ -782,8 +782,7 @@ at::Tensor sparse_axpy_cpu(const at::Tensor& w, int64_t qtype, const at::Tensor&
       const int64_t r0 = M * tid / n_threads, r1 = M * (tid + 1) / n_threads;
       int n_group = 0;
       if (T > 1 && pick_axpy_tokens(qtype, 1)) {
-        // chunks of TOKEN_AXPY_ROWS rows: all the tokens at once where a quarter of the pairs are active
-        std::vector<float> hc(T * TOKEN_AXPY_ROWS);
+        // chunks of TOKEN_AXPY_ROWS rows: all the tokens at once where 2 in 5 of the pairs are active
         const void* crows[TOKEN_AXPY_ROWS];
         for (int64_t c0 = r0; c0 < r1; c0 += TOKEN_AXPY_ROWS) {
           const int n = static_cast<int>(std::min<int64_t>(TOKEN_AXPY_ROWS, r1 - c0));
@@ -792,9 +791,7 @@ at::Tensor sparse_axpy_cpu(const at::Tensor& w, int64_t qtype, const at::Tensor&
             for (int j = 0; j < n; ++j) active += hp[t * M + c0 + j] != 0.f;
           if (5 * active >= 2 * T * n) {
             for (int j = 0; j < n; ++j) crows[j] = wp + (ip ? ip[c0 + j] : c0 + j) * row_bytes;
-            for (int64_t t = 0; t < T; ++t)
-              for (int j = 0; j < n; ++j) hc[t * TOKEN_AXPY_ROWS + j] = hp[t * M + c0 + j];
-            axpy_tokens(qtype, hc.data(), TOKEN_AXPY_ROWS, crows, n, acc, K, T);
+            axpy_tokens(qtype, hp + c0, M, crows, n, acc, K, T);
             continue;
           }
           for (int64_t k = c0; k < c0 + n; ++k)  // few active pairs: each token's own
