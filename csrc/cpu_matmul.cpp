@@ -455,12 +455,19 @@ std::vector<at::Tensor> qmatmul_rows_cpu(const std::vector<at::Tensor>& ws, cons
     const int64_t M = check_rows(idxs[i], ws[i].size(0), "qmatmul");
     first_row.push_back(first_row.back() + M);
     const int be = block_elems(qtypes[i]);
+    // a prompt's tokens quantized in parallel: on one thread 64 tokens of 11008 values took ~1.8 ms
+    // before each down projection, serial work that grows with the threads' share of the rest (one
+    // token: on this thread, no parallel region)
+    const auto each_token = [T](const auto& quantize) {
+      if (T == 1) quantize(0);
+      else at::parallel_for(0, T, 1, [&](int64_t b, int64_t e) { for (int64_t t = b; t < e; ++t) quantize(t); });
+    };
     if (be == QK && act32.empty()) {
       act32.resize(T * (K / QK));
-      for (int64_t t = 0; t < T; ++t) quantize_act_q8(xp + t * K, act32.data() + t * (K / QK), K);
+      each_token([&](int64_t t) { quantize_act_q8(xp + t * K, act32.data() + t * (K / QK), K); });
     } else if (be == QK_K && act256.empty()) {
       act256.resize(T * (K / QK_K));
-      for (int64_t t = 0; t < T; ++t) quantize_act_q8k(xp + t * K, act256.data() + t * (K / QK_K), K);
+      each_token([&](int64_t t) { quantize_act_q8k(xp + t * K, act256.data() + t * (K / QK_K), K); });
     }
   }
   const int64_t total = first_row.back();
@@ -935,7 +942,14 @@ bool sparse_ffn_fused_cpu(const at::Tensor& x, const at::Tensor& up, int64_t up_
   } else {
     dq = pick_q8(up_type);
     act32.resize(T * nb);
-    for (int64_t t = 0; t < T; ++t) quantize_act_q8(xp + t * K, act32.data() + t * nb, K);
+    if (T == 1) {
+      quantize_act_q8(xp, act32.data(), K);
+    } else {  // several tokens: spread over the FFN's own threads (see qmatmul_rows_cpu)
+      const int nq = static_cast<int>(std::min<int64_t>(num_threads(), T));
+      parallel_threads(nq, [&](int i) {
+        for (int64_t t = T * i / nq; t < T * (i + 1) / nq; ++t) quantize_act_q8(xp + t * K, act32.data() + t * nb, K);
+      });
+    }
   }
 #ifdef HS_X86
   // one token of Q4_0 rows: four blocks at a time (HS_Q4_WIDE; gate and up are of one type here)
