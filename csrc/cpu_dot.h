@@ -1218,6 +1218,46 @@ HS_AVX512 static inline void axpy_tokens_avx512(const float* h, int64_t hs, cons
   }
 }
 
+// axpy_tokens_avx512 for CPUs without AVX-512: eight values of the n rows at a time (one 256-bit sum per
+// token in registers), each block's eighths turned into floats once for the NT tokens.
+template <int64_t QT, int NT>
+HS_AVX2 static inline void axpy_tokens_avx2(const float* h, int64_t hs, const void* const* rows, int n, float* y,
+                                            int64_t K) {
+  for (int64_t i = 0; i + 8 <= K / QK * QK; i += 8) {
+    const int64_t b = i / QK, e = i % QK;  // block, first element in it
+    __m256 a[NT];
+    for (int t = 0; t < NT; ++t) a[t] = _mm256_loadu_ps(y + t * K + i);
+    for (int j = 0; j < n; ++j) {
+      __m256 w;
+      if constexpr (QT == F16) {
+        w = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(rows[j]) + i)));
+      } else if constexpr (QT == Q8_0) {
+        const BlockQ8_0& blk = static_cast<const BlockQ8_0*>(rows[j])[b];
+        w = _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(blk.d)),
+                          _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk.qs + e)))));
+      } else {
+        static_assert(QT == Q4_0, "F16, Q8_0 or Q4_0");
+        const BlockQ4_0& blk = static_cast<const BlockQ4_0*>(rows[j])[b];
+        // elements e..e+7: the low nibbles of bytes e..e+7 (e < 16) or the high ones of bytes e-16..e-9
+        __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk.qs + (e & 15))));
+        if (e >= 16) q = _mm256_srli_epi32(q, 4);
+        q = _mm256_and_si256(q, _mm256_set1_epi32(0x0F));
+        const float d = _cvtsh_ss(blk.d);
+        w = _mm256_fmsub_ps(_mm256_cvtepi32_ps(q), _mm256_set1_ps(d), _mm256_set1_ps(8.f * d));
+      }
+      for (int t = 0; t < NT; ++t) a[t] = _mm256_fmadd_ps(_mm256_set1_ps(h[t * hs + j]), w, a[t]);
+    }
+    for (int t = 0; t < NT; ++t) _mm256_storeu_ps(y + t * K + i, a[t]);
+  }
+  if constexpr (QT == F16) {  // a float16 row's last K % 32 values
+    for (int64_t i = K / QK * QK; i < K; ++i)
+      for (int j = 0; j < n; ++j) {
+        const float w = _cvtsh_ss(static_cast<const uint16_t*>(rows[j])[i]);
+        for (int t = 0; t < NT; ++t) y[t * K + i] += h[t * hs + j] * w;
+      }
+  }
+}
+
 // NEXT: as axpy_rows_q4_0_avx512's
 template <bool NEXT = false>
 HS_AVX512 static inline void axpy_rows_q8_0_avx512(const float* s, const void* const* rows, float* y, int64_t n) {

@@ -715,8 +715,8 @@ int64_t argmax_cpu(const at::Tensor& x) {
 
 void dequant_row(const uint8_t* row, int64_t qtype, int64_t K, float* out);  // dequant.cpp
 
-// Several tokens' axpy over up to TOKEN_AXPY_ROWS rows at once (axpy_tokens_avx512): F16, Q8_0, Q4_0 rows
-// on AVX-512, else nullptr. Taken for a chunk of rows where enough of its (token, row)
+// Several tokens' axpy over up to TOKEN_AXPY_ROWS rows at once (axpy_tokens_avx512, or _avx2 without AVX-512):
+// F16, Q8_0, Q4_0 rows, else nullptr. Taken for a chunk of rows where enough of its (token, row)
 // pairs are active (the kernel computes every pair; the per-token axpy only the active ones): 2 in 5.
 // Dev VM (session 30, a Xeon), 7B-shaped Q4_0 down_t rows (11008 x 4096), 32 tokens, every pair, 2 threads:
 // 41.8-42.9 -> 15.0-16.0 ms. HS_AXPY_TOKENS=0 (read per call): each token's own axpy, to compare.
@@ -724,14 +724,15 @@ constexpr int TOKEN_AXPY_ROWS = 16;
 using AxpyTokens = void (*)(const float*, int64_t, const void* const*, int, float*, int64_t);
 AxpyTokens pick_axpy_tokens(int64_t qtype, int nt) {
 #ifdef HS_X86
-  if (!cpu_has_avx512() || env_off("HS_AXPY_TOKENS")) return nullptr;
-  static const AxpyTokens f16[TOKEN_TILE] = HS_TILES(axpy_tokens_avx512, F16,);
-  static const AxpyTokens q8[TOKEN_TILE] = HS_TILES(axpy_tokens_avx512, Q8_0,);
-  static const AxpyTokens q4[TOKEN_TILE] = HS_TILES(axpy_tokens_avx512, Q4_0,);
+  if (!cpu_has_avx2() || env_off("HS_AXPY_TOKENS")) return nullptr;
+  static const AxpyTokens f16[2][TOKEN_TILE] = {HS_TILES(axpy_tokens_avx2, F16,), HS_TILES(axpy_tokens_avx512, F16,)};
+  static const AxpyTokens q8[2][TOKEN_TILE] = {HS_TILES(axpy_tokens_avx2, Q8_0,), HS_TILES(axpy_tokens_avx512, Q8_0,)};
+  static const AxpyTokens q4[2][TOKEN_TILE] = {HS_TILES(axpy_tokens_avx2, Q4_0,), HS_TILES(axpy_tokens_avx512, Q4_0,)};
+  const bool w = cpu_has_avx512();
   switch (qtype) {
-    case F16: return f16[nt - 1];
-    case Q8_0: return q8[nt - 1];
-    case Q4_0: return q4[nt - 1];
+    case F16: return f16[w][nt - 1];
+    case Q8_0: return q8[w][nt - 1];
+    case Q4_0: return q4[w][nt - 1];
   }
 #else
   (void)qtype; (void)nt;

@@ -215,7 +215,7 @@ def test_avx2_rows_side_by_side_match_twin():
         pytest.skip("x86 only")
     here = Path(__file__).parent
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(here / "test_sparse_ops.py"),
-                        "-k", "side_by_side or gate_first or claimed_shares or rowdot or one_plane or gemv_streams or wide_q4_0 or prompt_rows"], capture_output=True, text=True,
+                        "-k", "side_by_side or gate_first or claimed_shares or rowdot or one_plane or gemv_streams or wide_q4_0 or prompt_rows or many_tokens or mask_per_token"], capture_output=True, text=True,
                        timeout=600, env={**os.environ, "HS_CPU_PATH": "avx2"}, cwd=here.parent)
     assert r.returncode == 0, r.stdout[-3000:]
     assert " passed" in r.stdout and " failed" not in r.stdout
