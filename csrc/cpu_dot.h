@@ -4,7 +4,6 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
-#include <type_traits>
 #include <string>
 
 #include "env.h"
@@ -835,61 +834,43 @@ HS_AVX2 static inline void pack8_q45_0(const void* const* rows, int64_t nb, __m2
   }
 }
 
-// The dots of ROWS (8 or 16) packed rows (pack8_q45_0 into ROWS / 8 halves) with NT tokens:
-// out[t * ROWS + r] = row r . token t, where a[t * stride + b] is block b of token t. ONE_PLANE: the
-// activations' second plane is zero.
-template <int64_t QT, int ROWS, int NT, bool ONE_PLANE = false>
-HS_AVX512 static inline void dot8_q45_0_tokens(const void* w, const float* d, const ActQ8* a, int64_t nb,
-                                              int64_t stride, float* out) {
-  static_assert(ROWS == 8 || ROWS == 16, "8 or 16 rows");
-  using V = std::conditional_t<ROWS == 8, __m256i, __m512i>;
-  using F = std::conditional_t<ROWS == 8, __m256, __m512>;
+// The dots of 16 packed rows (pack8_q45_0 into 2 halves) with NT tokens: out[t * 16 + r] = row r . token t,
+// where a[t * stride + b] is block b of token t. ONE_PLANE: the activations' second plane is zero. (Eight
+// rows, the last group of a share: dot8_q45_0_tokens_vnni256 below.)
+template <int64_t QT, int NT, bool ONE_PLANE = false>
+HS_AVX512 static inline void dot16_q45_0_tokens(const void* w, const float* d, const ActQ8* a, int64_t nb,
+                                               int64_t stride, float* out) {
   constexpr float offset = prompt_offset(QT);
-  const V* wv = static_cast<const V*>(w);
-  F acc[NT];
-  for (int t = 0; t < NT; ++t) {
-    if constexpr (ROWS == 8) acc[t] = _mm256_setzero_ps(); else acc[t] = _mm512_setzero_ps();
-  }
+  const __m512i* wv = static_cast<const __m512i*>(w);
+  __m512 acc[NT];
+  for (int t = 0; t < NT; ++t) acc[t] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    V wk[8];
+    __m512i wk[8];
     for (int k = 0; k < 8; ++k) wk[k] = wv[b * 8 + k];
-    F dw;
-    if constexpr (ROWS == 8) dw = _mm256_loadu_ps(d + b * 8); else dw = _mm512_loadu_ps(d + b * 16);
+    const __m512 dw = _mm512_loadu_ps(d + b * 16);
     for (int t = 0; t < NT; ++t) {
       const ActQ8& at = a[t * stride + b];
       const float ad = ONE_PLANE ? at.d * PLANE_SHIFT : at.d, as = offset * at.dsum;
       const int32_t* x0 = reinterpret_cast<const int32_t*>(at.qs[0]);
       const int32_t* x1 = reinterpret_cast<const int32_t*>(at.qs[1]);
-      if constexpr (ROWS == 8) {
-        __m256i i0 = _mm256_setzero_si256(), i1 = _mm256_setzero_si256();
-        for (int k = 0; k < 8; ++k) i0 = _mm256_dpbusd_epi32(i0, wk[k], _mm256_set1_epi32(x0[k]));
-        if constexpr (!ONE_PLANE) {
-          for (int k = 0; k < 8; ++k) i1 = _mm256_dpbusd_epi32(i1, wk[k], _mm256_set1_epi32(x1[k]));
-          i0 = _mm256_add_epi32(_mm256_slli_epi32(i0, 7), i1);  // PLANE_SHIFT = 128
-        }
-        const __m256 u = _mm256_fmsub_ps(_mm256_cvtepi32_ps(i0), _mm256_set1_ps(ad), _mm256_set1_ps(as));
-        acc[t] = _mm256_fmadd_ps(dw, u, acc[t]);
-      } else {
-        __m512i i0 = _mm512_setzero_si512(), i1 = _mm512_setzero_si512();
-        for (int k = 0; k < 8; ++k) i0 = _mm512_dpbusd_epi32(i0, wk[k], _mm512_set1_epi32(x0[k]));
-        if constexpr (!ONE_PLANE) {
-          for (int k = 0; k < 8; ++k) i1 = _mm512_dpbusd_epi32(i1, wk[k], _mm512_set1_epi32(x1[k]));
-          i0 = _mm512_add_epi32(_mm512_slli_epi32(i0, 7), i1);  // PLANE_SHIFT = 128
-        }
-        const __m512 u = _mm512_fmsub_ps(_mm512_cvtepi32_ps(i0), _mm512_set1_ps(ad), _mm512_set1_ps(as));
-        acc[t] = _mm512_fmadd_ps(dw, u, acc[t]);
+      __m512i i0 = _mm512_setzero_si512(), i1 = _mm512_setzero_si512();
+      for (int k = 0; k < 8; ++k) i0 = _mm512_dpbusd_epi32(i0, wk[k], _mm512_set1_epi32(x0[k]));
+      if constexpr (!ONE_PLANE) {
+        for (int k = 0; k < 8; ++k) i1 = _mm512_dpbusd_epi32(i1, wk[k], _mm512_set1_epi32(x1[k]));
+        i0 = _mm512_add_epi32(_mm512_slli_epi32(i0, 7), i1);  // PLANE_SHIFT = 128
       }
+      const __m512 u = _mm512_fmsub_ps(_mm512_cvtepi32_ps(i0), _mm512_set1_ps(ad), _mm512_set1_ps(as));
+      acc[t] = _mm512_fmadd_ps(dw, u, acc[t]);
     }
   }
-  for (int t = 0; t < NT; ++t) {
-    if constexpr (ROWS == 8) _mm256_storeu_ps(out + t * 8, acc[t]); else _mm512_storeu_ps(out + t * 16, acc[t]);
-  }
+  for (int t = 0; t < NT; ++t) _mm512_storeu_ps(out + t * 16, acc[t]);
 }
 
-// dot8_q45_0_tokens's eight rows for CPUs without AVX-512: with AVX-VNNI (Alder Lake and later: the
-// 256-bit vpdpbusd in VEX form) or with AVX2's vpmaddubsw, whose int16 pair sums (at most 2 * 31 * 127)
-// add up four at a time before vpmaddwd widens them (weighted by the plane, as dot2_unsigned does).
-// Sixteen vector registers: the eight packed vectors are reloaded per token (from L1).
+// dot16_q45_0_tokens for eight rows (pack8_q45_0 into 1 half), in 256-bit registers: with AVX-512 VNNI
+// (the last group of a share), with AVX-VNNI (Alder Lake and later: the 256-bit vpdpbusd in VEX form) or
+// with AVX2's vpmaddubsw, whose int16 pair sums (at most 2 * 31 * 127) add up four at a time before
+// vpmaddwd widens them (weighted by the plane, as dot2_unsigned does). Sixteen vector registers without
+// AVX-512: the eight packed vectors are reloaded per token (from L1).
 #define HS_DOT8_256_BODY(DOT_PLANE)                                                                    \
   constexpr float offset = prompt_offset(QT);                                                          \
   __m256 acc[NT];                                                                                      \
@@ -936,6 +917,16 @@ template <int64_t QT, int NT, bool ONE_PLANE>
 HS_AVXVNNI static inline void dot8_q45_0_tokens_avxvnni(const void* wv, const float* d, const ActQ8* a, int64_t nb,
                                                         int64_t stride, float* out) {
   HS_DOT8_256_BODY(dot8_plane_avxvnni)
+}
+HS_AVX512 static inline __m256i dot8_plane_vnni256(const __m256i* wk, const int32_t* x, int16_t weight) {
+  __m256i s = _mm256_setzero_si256();
+  for (int k = 0; k < 8; ++k) s = _mm256_dpbusd_epi32(s, _mm256_load_si256(wk + k), _mm256_set1_epi32(x[k]));
+  return weight == 1 ? s : _mm256_slli_epi32(s, 7);  // PLANE_SHIFT = 128
+}
+template <int64_t QT, int NT, bool ONE_PLANE>
+HS_AVX512 static inline void dot8_q45_0_tokens_vnni256(const void* wv, const float* d, const ActQ8* a, int64_t nb,
+                                                       int64_t stride, float* out) {
+  HS_DOT8_256_BODY(dot8_plane_vnni256)
 }
 #undef HS_DOT8_256_BODY
 

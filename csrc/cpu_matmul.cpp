@@ -401,37 +401,33 @@ DotTokensK pick_tokens_k(int64_t qtype, int nt);
 struct alignas(64) Vec512 { uint8_t b[64]; };  // storage for __m512i (std::vector allocates it aligned)
 using Dot8Tokens = void (*)(const void*, const float*, const ActQ8*, int64_t, int64_t, float*);
 
-// Whether a prompt on Q4_0 / Q5_0 / Q8_0 rows takes 16 or 8 rows at a time (dot8_q45_0_tokens: AVX-512
-// VNNI; dot8_q45_0_tokens_avxvnni / _avx2: 8 rows, Q8_0 only with VNNI); HS_PROMPT_ROWS16=0 (read per
-// call) keeps one row at a time, to compare.
+// Whether a prompt on Q4_0 / Q5_0 / Q8_0 rows takes 16 or 8 rows at a time (dot16_q45_0_tokens: AVX-512
+// VNNI; dot8_q45_0_tokens_*: 8 rows, Q8_0 only with VNNI); HS_PROMPT_ROWS16=0 (read per call) keeps one row
+// at a time, to compare.
 bool rows16_on(int64_t qtype) {
   if (qtype != Q4_0 && qtype != Q5_0 && qtype != Q8_0) return false;
   return (qtype == Q8_0 ? cpu_has_avx512() || cpu_has_avxvnni() : cpu_has_avx2()) && !env_off("HS_PROMPT_ROWS16");
 }
 
-// dot8_q45_0_tokens for 8 or 16 rows and 1..8 tokens, against two activation planes or one
+// the prompt kernel for 16 (AVX-512) or 8 rows and 1..8 tokens, against two activation planes or one
 Dot8Tokens pick_dot8(int64_t qtype, int rows, int nt, bool one_plane) {
-#define HS_DOT8(QT, R, ONE) {dot8_q45_0_tokens<QT, R, 1, ONE>, dot8_q45_0_tokens<QT, R, 2, ONE>, \
-    dot8_q45_0_tokens<QT, R, 3, ONE>, dot8_q45_0_tokens<QT, R, 4, ONE>, dot8_q45_0_tokens<QT, R, 5, ONE>, \
-    dot8_q45_0_tokens<QT, R, 6, ONE>, dot8_q45_0_tokens<QT, R, 7, ONE>, dot8_q45_0_tokens<QT, R, 8, ONE>}
-  static const Dot8Tokens table[3][2][2][TOKEN_TILE] = {  // [Q4_0, Q5_0, Q8_0][16 rows][one plane][tokens - 1]
-      {{HS_DOT8(Q4_0, 8, false), HS_DOT8(Q4_0, 8, true)}, {HS_DOT8(Q4_0, 16, false), HS_DOT8(Q4_0, 16, true)}},
-      {{HS_DOT8(Q5_0, 8, false), HS_DOT8(Q5_0, 8, true)}, {HS_DOT8(Q5_0, 16, false), HS_DOT8(Q5_0, 16, true)}},
-      {{HS_DOT8(Q8_0, 8, false), HS_DOT8(Q8_0, 8, true)}, {HS_DOT8(Q8_0, 16, false), HS_DOT8(Q8_0, 16, true)}}};
-#undef HS_DOT8
 #define HS_DOT8(F, QT, ONE) {F<QT, 1, ONE>, F<QT, 2, ONE>, F<QT, 3, ONE>, F<QT, 4, ONE>, F<QT, 5, ONE>, \
                              F<QT, 6, ONE>, F<QT, 7, ONE>, F<QT, 8, ONE>}
-  static const Dot8Tokens narrow[2][3][2][TOKEN_TILE] = {  // [AVX-VNNI][Q4_0, Q5_0, Q8_0][one plane][tokens - 1]
-      {{HS_DOT8(dot8_q45_0_tokens_avx2, Q4_0, false), HS_DOT8(dot8_q45_0_tokens_avx2, Q4_0, true)},
-       {HS_DOT8(dot8_q45_0_tokens_avx2, Q5_0, false), HS_DOT8(dot8_q45_0_tokens_avx2, Q5_0, true)},
-       {}},  // Q8_0 needs VNNI (prompt_offset)
-      {{HS_DOT8(dot8_q45_0_tokens_avxvnni, Q4_0, false), HS_DOT8(dot8_q45_0_tokens_avxvnni, Q4_0, true)},
-       {HS_DOT8(dot8_q45_0_tokens_avxvnni, Q5_0, false), HS_DOT8(dot8_q45_0_tokens_avxvnni, Q5_0, true)},
-       {HS_DOT8(dot8_q45_0_tokens_avxvnni, Q8_0, false), HS_DOT8(dot8_q45_0_tokens_avxvnni, Q8_0, true)}}};
+#define HS_DOT8_TYPES(F, Q8) {{HS_DOT8(F, Q4_0, false), HS_DOT8(F, Q4_0, true)}, \
+                              {HS_DOT8(F, Q5_0, false), HS_DOT8(F, Q5_0, true)}, Q8}
+#define HS_DOT8_Q8(F) {HS_DOT8(F, Q8_0, false), HS_DOT8(F, Q8_0, true)}
+  // [16 rows, then 8 rows: AVX-512, AVX-VNNI, AVX2][Q4_0, Q5_0, Q8_0][one plane][tokens - 1]
+  static const Dot8Tokens table[4][3][2][TOKEN_TILE] = {
+      HS_DOT8_TYPES(dot16_q45_0_tokens, HS_DOT8_Q8(dot16_q45_0_tokens)),
+      HS_DOT8_TYPES(dot8_q45_0_tokens_vnni256, HS_DOT8_Q8(dot8_q45_0_tokens_vnni256)),
+      HS_DOT8_TYPES(dot8_q45_0_tokens_avxvnni, HS_DOT8_Q8(dot8_q45_0_tokens_avxvnni)),
+      HS_DOT8_TYPES(dot8_q45_0_tokens_avx2, {})};  // Q8_0 needs VNNI (prompt_offset)
+#undef HS_DOT8_Q8
+#undef HS_DOT8_TYPES
 #undef HS_DOT8
   const int type = qtype == Q4_0 ? 0 : qtype == Q5_0 ? 1 : 2;
-  if (!cpu_has_avx512()) return narrow[cpu_has_avxvnni()][type][one_plane][nt - 1];
-  return table[type][rows == 16][one_plane][nt - 1];
+  const int form = cpu_has_avx512() ? (rows == 16 ? 0 : 1) : cpu_has_avxvnni() ? 2 : 3;
+  return table[form][type][one_plane][nt - 1];
 }
 #endif
 
@@ -551,7 +547,7 @@ std::vector<at::Tensor> qmatmul_rows_cpu(const std::vector<at::Tensor>& ws, cons
       }
       if (T > 1 && k_end - k >= 8 && rows16_on(qtype)) {
         // a prompt on Q4_0 / Q5_0 / Q8_0 rows: 16 (then 8) rows at a time, unpacked once for all the tokens
-        // (dot8_q45_0_tokens); the last k_end - k < 8 rows go one at a time below
+        // (dot16_q45_0_tokens / dot8_q45_0_tokens_*); the last k_end - k < 8 rows go one at a time below
         thread_local std::vector<Vec512> packed;
         thread_local std::vector<float> scales;
         packed.resize(nb * 8);

@@ -88,7 +88,7 @@ _polled_tasks: list[int] | None = None  # while a decode step is captured: its p
 # In bfloat16 (CPU_GEMM_BF16) the GEMM wins from fewer tokens: Gemma 3 270M Q4_K_M, 2 threads of the dev
 # VM, session 20, alternating: 16-token prompts 378 / 387 tok/s with the per-row kernels against 308 /
 # 305 with the GEMM, 32 tokens 382 / 393 against 347 / 500, 64 tokens 426 / 441 against 794 / 709.
-# Q4_0 / Q5_0 / Q8_0 rows on AVX-512 VNNI take a prompt 16 rows at a time (csrc dot8_q45_0_tokens), which
+# Q4_0 / Q5_0 / Q8_0 rows on AVX-512 VNNI take a prompt 16 rows at a time (csrc dot16_q45_0_tokens), which
 # moves the switch later: session 30's dev VM (a Xeon with AMX, whose bfloat16 GEMM torch uses), 11008 x
 # 4096 Q4_0 rows, 2 threads: 64 tokens 164-175 GMAC/s against the bfloat16 GEMM's 122-125, 96 tokens 175 /
 # 184, 112 tokens 168 / 204; with one activation plane (HS_ACT_PLANES=1) 96 tokens 274 / 172, 192

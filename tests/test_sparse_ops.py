@@ -335,7 +335,7 @@ def test_one_plane_activations(qtype, monkeypatch):
 @pytest.mark.parametrize("planes", ["2", "1"])
 @pytest.mark.parametrize("tokens,n_threads", [(2, 1), (9, 2), (17, 1)])
 def test_prompt_rows_in_groups(qtype, planes, tokens, n_threads, threads, monkeypatch):
-    """A prompt on Q4_0 / Q5_0 / Q8_0 rows takes them 16 and 8 at a time (dot8_q45_0_tokens), the
+    """A prompt on Q4_0 / Q5_0 / Q8_0 rows takes them 16 and 8 at a time (dot16_q45_0_tokens, dot8_q45_0_tokens_*), the
     last few one at a time: every row and a listed unsorted set, token counts below, at and past the
     tile of 8, both activation planes or one, give the twin's sums and those of one row at a time
     (HS_PROMPT_ROWS16=0)."""
