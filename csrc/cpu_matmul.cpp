@@ -736,16 +736,21 @@ AxpyTokens pick_axpy_tokens(int64_t qtype, int nt) {
   return nullptr;
 }
 
-// y[T, K] += hc[T, n] (n <= TOKEN_AXPY_ROWS columns, rows hs apart) times the n rows, a tile of
-// tokens at a time; false where the type has no such kernel (nothing added then)
-bool axpy_tokens(int64_t qtype, const float* hc, int64_t hs, const void* const* rows, int n, float* y, int64_t K,
-                 int64_t T) {
-  if (!pick_axpy_tokens(qtype, 1)) return false;
-  for (int64_t t = 0; t < T; t += TOKEN_TILE) {
-    const int nt = static_cast<int>(std::min<int64_t>(TOKEN_TILE, T - t));
-    pick_axpy_tokens(qtype, nt)(hc + t * hs, hs, rows, n, y + t * K, K);
+// y[t] += sum_j hc[t * hs + j] * rows[j] for T tokens and n <= TOKEN_AXPY_ROWS rows, `active` of the pairs
+// non-zero: all the tokens at once a tile at a time where 2 in 5 of the pairs are active and the type has
+// the kernel, else each active pair on its own (direct)
+void axpy_rows_tokens(int64_t qtype, AxpyRow direct, const float* hc, int64_t hs, const void* const* rows, int n,
+                      int64_t active, float* y, int64_t K, int64_t T) {
+  if (5 * active >= 2 * T * n && pick_axpy_tokens(qtype, 1)) {
+    for (int64_t t = 0; t < T; t += TOKEN_TILE) {
+      const int nt = static_cast<int>(std::min<int64_t>(TOKEN_TILE, T - t));
+      pick_axpy_tokens(qtype, nt)(hc + t * hs, hs, rows, n, y + t * K, K);
+    }
+    return;
   }
-  return true;
+  for (int j = 0; j < n; ++j)
+    for (int64_t t = 0; t < T; ++t)
+      if (hc[t * hs + j] != 0.f) direct(hc[t * hs + j], rows[j], y + t * K, K);
 }
 
 // y[t] = sum_k h[t, k] * W_t[row(k)], row(k) = idx[k] (the sparse axpy over active neurons) or k
@@ -786,23 +791,15 @@ at::Tensor sparse_axpy_cpu(const at::Tensor& w, int64_t qtype, const at::Tensor&
       const int64_t r0 = M * tid / n_threads, r1 = M * (tid + 1) / n_threads;
       int n_group = 0;
       if (T > 1 && pick_axpy_tokens(qtype, 1)) {
-        // chunks of TOKEN_AXPY_ROWS rows: all the tokens at once where 2 in 5 of the pairs are active
+        // chunks of TOKEN_AXPY_ROWS rows, all the tokens at once where enough of the pairs are active
         const void* crows[TOKEN_AXPY_ROWS];
         for (int64_t c0 = r0; c0 < r1; c0 += TOKEN_AXPY_ROWS) {
           const int n = static_cast<int>(std::min<int64_t>(TOKEN_AXPY_ROWS, r1 - c0));
           int64_t active = 0;
           for (int64_t t = 0; t < T; ++t)
             for (int j = 0; j < n; ++j) active += hp[t * M + c0 + j] != 0.f;
-          if (5 * active >= 2 * T * n) {
-            for (int j = 0; j < n; ++j) crows[j] = wp + (ip ? ip[c0 + j] : c0 + j) * row_bytes;
-            axpy_tokens(qtype, hp + c0, M, crows, n, acc, K, T);
-            continue;
-          }
-          for (int64_t k = c0; k < c0 + n; ++k)  // few active pairs: each token's own
-            for (int64_t t = 0; t < T; ++t) {
-              const float s = hp[t * M + k];
-              if (s != 0.f) direct(s, wp + (ip ? ip[k] : k) * row_bytes, acc + t * K, K);
-            }
+          for (int j = 0; j < n; ++j) crows[j] = wp + (ip ? ip[c0 + j] : c0 + j) * row_bytes;
+          axpy_rows_tokens(qtype, direct, hp + c0, M, crows, n, active, acc, K, T);
         }
         continue;
       }
@@ -1060,18 +1057,13 @@ bool sparse_ffn_fused_cpu(const at::Tensor& x, const at::Tensor& up, int64_t up_
         }
       }
       // several tokens: the down rows of up to TOKEN_AXPY_ROWS consecutive neurons [k0, k0 + nq) held back and
-      // added for all the tokens at once (axpy_tokens, their h read from hp) where a quarter of the pairs
+      // added for all the tokens at once (axpy_rows_tokens, their h read from hp) where 2 in 5 of the pairs
       // fired, else each token's own
       const void* qrows[TOKEN_AXPY_ROWS];
       int nq = 0;
       int64_t k0 = k, fired = 0;
       const auto flush_tokens = [&]() {
-        if (nq == 0) return;
-        if (5 * fired < 2 * T * nq || !axpy_tokens(down_type, hp + k0, M, qrows, nq, acc, D, T)) {
-          for (int j = 0; j < nq; ++j)
-            for (int64_t t = 0; t < T; ++t)
-              if (hp[t * M + k0 + j] != 0.f) direct(hp[t * M + k0 + j], qrows[j], acc + t * D, D);
-        }
+        if (nq) axpy_rows_tokens(down_type, direct, hp + k0, M, qrows, nq, fired, acc, D, T);
         nq = 0;
         fired = 0;
       };

@@ -57,7 +57,7 @@ def test_sparse_rowdot(qtype, which, tokens, n_threads, threads):
 @pytest.mark.parametrize("tokens", [4, 11, 19])
 @pytest.mark.parametrize("density", [1.0, 0.5, 0.1])
 def test_sparse_axpy_many_tokens(qtype, tokens, density, threads, monkeypatch):
-    """Several tokens' down rows added for all the tokens at once (axpy_tokens: chunks of 16 listed rows,
+    """Several tokens' down rows added for all the tokens at once (axpy_rows_tokens: chunks of 16 listed rows,
     tiles of 8 tokens, where enough of a chunk's pairs are active) or each token's own (few active, or
     HS_AXPY_TOKENS=0): the twin's sums either way, an odd row length included (F16)."""
     torch.set_num_threads(2)
@@ -201,7 +201,7 @@ def test_sparse_rowdot_rows_side_by_side(rows, qtype, order, monkeypatch):
 
 @pytest.mark.parametrize("activation,gated,act_on_up", VARIANTS)
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q5_0, Q.F16, Q.BF16, Q.Q4_K])
-@pytest.mark.parametrize("tokens", [1, 3, 11])  # 11: two tiles of tokens for the down rows (axpy_tokens)
+@pytest.mark.parametrize("tokens", [1, 3, 11])  # 11: two tiles of tokens for the down rows (axpy_rows_tokens)
 def test_sparse_ffn_with_a_mask_per_token(activation, gated, act_on_up, qtype, tokens):
     """Batched decode over the union of the tokens' active sets, each token only with its own neurons:
     the twin's y and h (h 0 outside the mask), including a token with no neuron at all."""
