@@ -96,7 +96,7 @@ _polled_tasks: list[int] | None = None  # while a decode step is captured: its p
 # HS_CPU_GEMM_TOKENS sets all three.
 CPU_GEMM_TOKENS = int(os.environ.get("HS_CPU_GEMM_TOKENS", "128"))
 CPU_GEMM_TOKENS_BF16 = int(os.environ.get("HS_CPU_GEMM_TOKENS", "48"))
-CPU_GEMM_TOKENS_ROWS16 = int(os.environ.get("HS_CPU_GEMM_TOKENS", "96"))
+CPU_GEMM_TOKENS_ROWS16 = int(os.environ.get("HS_CPU_GEMM_TOKENS", "192" if os.environ.get("HS_ACT_PLANES") == "1" else "96"))
 _CPU_GEMM_CHUNK_ROWS = 1024
 # The sparse row-dot / axpy over listed rows (a hybrid model's cold neurons during a long prefill or a
 # big server batch) switch to gathered slices and GEMM later: the per-row kernels win up to ~384 tokens
@@ -486,13 +486,15 @@ def cpu_gemm_bf16(qtype: Q) -> bool:
 def cpu_gemm_tokens(qtype: Q) -> int:
     """From how many tokens a CPU matmul of rows of this type takes `cpu_gemm`."""
     if qtype in (Q.Q4_0, Q.Q5_0, Q.Q8_0) and _cpu_prompt_rows16():
-        n = CPU_GEMM_TOKENS_ROWS16
-        return 2 * n if "HS_CPU_GEMM_TOKENS" not in os.environ and os.environ.get("HS_ACT_PLANES") == "1" else n
+        return CPU_GEMM_TOKENS_ROWS16
     return CPU_GEMM_TOKENS_BF16 if cpu_gemm_bf16(qtype) else CPU_GEMM_TOKENS
 
 
+@functools.cache
 def _cpu_prompt_rows16() -> bool:
-    """Whether the compiled CPU kernels take a prompt's Q4_0 / Q5_0 / Q8_0 rows 16 at a time (AVX-512 VNNI)."""
+    """Whether the compiled CPU kernels take a prompt's Q4_0 / Q5_0 / Q8_0 rows 16 at a time (AVX-512 VNNI;
+    HS_PROMPT_ROWS16=0 at start: not). Asked once: every CPU matmul's switch to the GEMM looks at it,
+    decode steps included (asking the extension and the environment each time cost ~2 us a matmul)."""
     return ops() is not None and cpu.cpu_path() == "avx512" and os.environ.get("HS_PROMPT_ROWS16") != "0"
 
 
