@@ -200,45 +200,40 @@ def test_other_cpu_paths_match_twin(path):
     assert float(r.stdout.strip().splitlines()[-1]) < 1e-5
 
 
+def _rerun_on_path(path: str, select: str, timeout: float):
+    """test_sparse_ops.py's tests matching `select`, rerun in a process forced onto HS_CPU_PATH=path."""
+    import os
+    import platform
+    import subprocess
+    import sys
+    from pathlib import Path
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("x86 only")
+    here = Path(__file__).parent
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(here / "test_sparse_ops.py"),
+                        "-k", select], capture_output=True, text=True, timeout=timeout,
+                       env={**os.environ, "HS_CPU_PATH": path}, cwd=here.parent)
+    assert r.returncode == 0, r.stdout[-3000:]
+    assert " passed" in r.stdout and " failed" not in r.stdout
+
+
 @needs_kernels
 def test_avx2_rows_side_by_side_match_twin():
     """On the AVX2 path (CPUs without AVX-512) the one-token FFN and row-dot also stream rows side by
     side (F16, Q8_0, Q4_0, Q5_0 kernels of their own): the side-by-side, gate-first, claimed-share, GEMV-stream
     and Q4_0 dot tests of test_sparse_ops.py, rerun in a process forced onto that path (the streams' test found
-    its one-row F16 and Q8_0 dots summing in another order than the side-by-side kernels there)."""
-    import os
-    import platform
-    import subprocess
-    import sys
-    from pathlib import Path
-    if platform.machine() not in ("x86_64", "AMD64"):
-        pytest.skip("x86 only")
-    here = Path(__file__).parent
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(here / "test_sparse_ops.py"),
-                        "-k", "side_by_side or gate_first or claimed_shares or rowdot or one_plane or gemv_streams or wide_q4_0 or prompt_rows or many_tokens or mask_per_token"], capture_output=True, text=True,
-                       timeout=600, env={**os.environ, "HS_CPU_PATH": "avx2"}, cwd=here.parent)
-    assert r.returncode == 0, r.stdout[-3000:]
-    assert " passed" in r.stdout and " failed" not in r.stdout
+    its one-row F16 and Q8_0 dots summing in another order than the side-by-side kernels there); and the
+    prompt's eight-row Q4_0 / Q5_0 kernels and several tokens' down rows at once, in their AVX2 forms."""
+    _rerun_on_path("avx2", "side_by_side or gate_first or claimed_shares or rowdot or one_plane or gemv_streams "
+                           "or wide_q4_0 or prompt_rows or many_tokens or mask_per_token", timeout=600)
 
 
 @needs_kernels
 def test_avxvnni_prompt_rows_match_twin():
     """HS_CPU_PATH=avxvnni (AVX2 plus the 256-bit VEX vpdpbusd, as on Alder Lake: AVX-512 off) takes a
-    prompt's Q4_0 / Q5_0 rows eight at a time with that instruction: the prompt-rows test, rerun in a
-    process on that path (on a CPU without AVX-VNNI it runs the AVX2 form again)."""
-    import os
-    import platform
-    import subprocess
-    import sys
-    from pathlib import Path
-    if platform.machine() not in ("x86_64", "AMD64"):
-        pytest.skip("x86 only")
-    here = Path(__file__).parent
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(here / "test_sparse_ops.py"),
-                        "-k", "prompt_rows"], capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "HS_CPU_PATH": "avxvnni"}, cwd=here.parent)
-    assert r.returncode == 0, r.stdout[-3000:]
-    assert " passed" in r.stdout and " failed" not in r.stdout
+    prompt's Q4_0 / Q5_0 / Q8_0 rows eight at a time with that instruction: the prompt-rows test, rerun in a
+    process on that path (on a CPU without AVX-VNNI it runs the AVX2 form again, Q8_0 one row at a time)."""
+    _rerun_on_path("avxvnni", "prompt_rows", timeout=300)
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K])
