@@ -144,6 +144,11 @@ def add_hybrid_args(ap: argparse.ArgumentParser) -> None:
                    "(diagnostics: what perfect predictors would give)")
     g.add_argument("--predictors", help="predictor file or PowerInfer predictor folder "
                    "(default: <model>.predictors.gguf, else the model's own blk.N.fc1/fc2)")
+    g.add_argument("--down-t-type", default=None, choices=["f16", "q8_0"],
+                   help="llama.cpp files with block-quantized ffn_down (Q4_0, K-quants): the type of the transposed "
+                        "copy the sparse FFN reads, made once beside the model (q8_0: 1.9x the bytes of a Q4_0 "
+                        "row, rounds each weight once more; f16: exact, 3.6x; default: q8_0). PowerInfer files "
+                        "carry ffn_down_t and ignore it")
     g.add_argument("--profile", help="activation profile directory (default: <model>.hs-profile)")
     g.add_argument("--gpu-index", help="GPU index file (default: <model>.generated.gpuidx)")
     g.add_argument("--measure", action="store_true", help="when the placement must be solved, measure this "
@@ -157,11 +162,12 @@ def hybrid_options(args, model_path):
 
     from hybridsparse.solver.plan import PREFILL_TOKENS, check_ubatch
 
-    from .hybrid import HybridOptions, load_predictors_available
+    from .hybrid import DEFAULT_DOWN_T_TYPE, HybridOptions, load_predictors_available
     sparsity = getattr(args, "sparsity", None)
     ubatch = getattr(args, "ubatch_size", None)
     asked = (args.vram_budget is not None or args.reset_gpu_index or args.disable_gpu_index or args.dense
-             or args.oracle or args.predictors or args.gpu_index or sparsity is not None or ubatch is not None)
+             or args.oracle or args.predictors or args.gpu_index or sparsity is not None or ubatch is not None
+             or getattr(args, "down_t_type", None) is not None)
     if args.dense and args.oracle:
         raise ValueError("--dense and --oracle exclude each other")
     if sparsity is not None and (args.dense or args.predictors):
@@ -180,7 +186,7 @@ def hybrid_options(args, model_path):
                          gpu_index=args.gpu_index, reset_gpu_index=args.reset_gpu_index,
                          disable_gpu_index=args.disable_gpu_index, n_ctx=args.ctx_size if args.ctx_size > 0 else 4096,
                          device=args.device, hardware=_measured_hardware if args.measure else None,
-                         ubatch=ubatch or PREFILL_TOKENS)
+                         ubatch=ubatch or PREFILL_TOKENS, down_t_type=getattr(args, "down_t_type", None) or DEFAULT_DOWN_T_TYPE)
 
 
 def _measured_hardware():

@@ -726,28 +726,48 @@ class HybridFFN:
 
 # --- the transposed down projection -------------------------------------------------------------
 
-def down_t_cache_path(model_path: Path) -> Path:
-    return model_path.with_name(model_path.stem + ".hs-down_t.gguf")
+# --down-t-type: what a llama.cpp file's block-quantized ffn_down becomes once transposed. Q8_0 by
+# default: F16 rows (3.6x a Q4_0 row's bytes) made CPU-only sparse decode of a 7B Q4_0 llama.cpp file
+# slower than dense (dev VM, 2 threads: 5.6 against 6.0 tok/s; Q8_0 rows 7.0), and cost the GPU that
+# much more VRAM per hot neuron; the second rounding moved the default model's perplexity by +0.04%.
+DOWN_T_TYPES = {"f16": Q.F16, "q8_0": Q.Q8_0}
+DEFAULT_DOWN_T_TYPE = "q8_0"
 
 
-def _transposed_type(qtype: Q, n: int) -> Q:
+def check_down_t_type(name: str) -> str:
+    if name not in DOWN_T_TYPES:
+        raise InputError(f"--down-t-type: expected one of {', '.join(DOWN_T_TYPES)}, got {name!r}")
+    return name
+
+
+def down_t_cache_path(model_path: Path, down_t_type: str = DEFAULT_DOWN_T_TYPE) -> Path:
+    tag = "" if down_t_type == "f16" else "-" + down_t_type  # F16 caches kept their first name
+    return model_path.with_name(model_path.stem + f".hs-down_t{tag}.gguf")
+
+
+def _transposed_type(qtype: Q, n: int, down_t_type: str = DEFAULT_DOWN_T_TYPE) -> Q:
     """The type the transposed rows are stored in. Float types as they are; block types cannot be
     transposed in place, and requantizing the transposed values rounds every weight a second time
-    (Q8_0 moved Gemma 3 270M's logits by 1.2% of their scale, F16 by 0.05%), so they become F16.
-    PowerInfer files, whose ffn_down_t was quantized from the original weights, avoid the cost."""
-    return qtype if qtype in FLOAT_TYPES else Q.F16
+    (Q8_0 moved Gemma 3 270M's logits by 1.2% of their scale, F16 by 0.05%), so they become Q8_0 by
+    default (see DEFAULT_DOWN_T_TYPE; rows whose length is not a multiple of 32 F16) or F16 with
+    --down-t-type f16. PowerInfer files, whose ffn_down_t was quantized from the original weights, avoid the cost."""
+    if qtype in FLOAT_TYPES:
+        return qtype
+    qt = DOWN_T_TYPES[check_down_t_type(down_t_type)]
+    return qt if qt == Q.F16 or n % 32 == 0 else Q.F16
 
 
-def transposed_down(gguf, n_layers: int, progress=None) -> list[QWeight]:
+def transposed_down(gguf, n_layers: int, progress=None, down_t_type: str = DEFAULT_DOWN_T_TYPE) -> list[QWeight]:
     """`ffn_down_t` per layer for a llama.cpp file (which stores ffn_down as [d_model rows of n_ff]):
-    transposed once and kept next to the model in `<model>.hs-down_t.gguf` (memory-mapped after)."""
+    transposed once and kept next to the model in `<model>.hs-down_t.gguf` (memory-mapped after;
+    `<model>.hs-down_t-q8_0.gguf` in Q8_0, `<model>.hs-down_t.gguf` in F16)."""
     import gguf as gg
 
     from hybridsparse.solver.gpuidx import model_fingerprint
 
     from .gguf_file import GGUFFile
 
-    path = down_t_cache_path(Path(gguf.path))
+    path = down_t_cache_path(Path(gguf.path), down_t_type)
     fp = model_fingerprint(gguf)
     if path.exists():
         try:
@@ -768,7 +788,7 @@ def transposed_down(gguf, n_layers: int, progress=None) -> list[QWeight]:
     types = []
     for i, info in enumerate(infos):
         d_model, n_ff = info.shape[1], info.shape[0]
-        qt = _transposed_type(info.qtype, d_model)
+        qt = _transposed_type(info.qtype, d_model, down_t_type)
         types.append(qt)
         block, size = gg.GGML_QUANT_SIZES[qt]
         w.add_tensor_info(f"blk.{i}.ffn_down_t.weight", (n_ff, d_model), np.dtype(np.float32),
@@ -818,6 +838,7 @@ class HybridOptions:
     hardware: object = None  # solver.plan.Hardware (or a function giving one) for a solve here; None: defaults
     sparsity: float | None = None  # threshold models: the exact |act| rule at this sparsity (profile's table)
     ubatch: int = PREFILL_TOKENS  # prompt tokens per GPU pass (-ub): the plan keeps VRAM for their activations
+    down_t_type: str = DEFAULT_DOWN_T_TYPE  # a llama.cpp file's block-quantized ffn_down, transposed (--down-t-type)
 
 
 def _side_path(model: Path, suffix: str) -> Path:
@@ -990,7 +1011,7 @@ def setup_hybrid(model, model_path: Path, opts: HybridOptions, log_line=print) -
     down_ts = None
     if any(not layer.ffn.down_transposed for layer in model.layers):
         down_ts = transposed_down(model.gguf, c.n_layers, progress=lambda it: tqdm(
-            it, desc="transposing ffn_down (once)", unit="layer", leave=False))
+            it, desc="transposing ffn_down (once)", unit="layer", leave=False), down_t_type=opts.down_t_type)
     layer_dev = [fast if (fast is not None and a) else cpu for a in attn_fast]
     head_dev = fast if (fast is not None and head_fast) else cpu
     # The token embedding stays on the CPU, as in llama.cpp: a decode step reads one of its rows, and the
@@ -1058,7 +1079,7 @@ def _index(model_path: Path, profile_dir: Path, budget: int, opts: HybridOptions
         save_profile(profile_dir, [torch.zeros(n, dtype=torch.float64) for n in n_ff], 1, {"criterion": "none"})
     out = io.StringIO()
     index, solved = solver_cli.ensure_index(model_path, profile_dir, budget, opts.n_ctx, ubatch=opts.ubatch,
-                                            reset=opts.reset_gpu_index,
+                                            reset=opts.reset_gpu_index, down_t_type=opts.down_t_type,
                                             hw=opts.hardware, index_path=index_path, out=out, plan_out=out,
                                             tag="hs-run")
     for line in out.getvalue().splitlines():

@@ -15,6 +15,7 @@ import numpy as np
 from hybridsparse.profiler.activations import Profile, load_profile, profile_hash
 from hybridsparse.runtime.cli import run_main
 from hybridsparse.runtime.errors import InputError, ModelError
+from hybridsparse.runtime.hybrid import DEFAULT_DOWN_T_TYPE
 
 from .gpuidx import default_index_path, model_fingerprint, read_index, stale_reason, write_index
 from .plan import (GiB, PREFILL_TOKENS, SOLVER_VERSION, Hardware, LayerShape, Problem, activation_bytes,
@@ -24,7 +25,7 @@ FFN_PARTS = ("ffn_up", "ffn_gate", "ffn_down")
 
 
 def model_problem(model_path: Path, profile_dir: Path, profile: Profile, vram_budget: int, hw: Hardware,
-                  n_ctx: int, group: int, ubatch: int = PREFILL_TOKENS) -> Problem:
+                  n_ctx: int, group: int, ubatch: int = PREFILL_TOKENS, down_t_type: str = DEFAULT_DOWN_T_TYPE) -> Problem:
     """Shapes and stored sizes from the GGUF (nothing read but its header), frequencies from the profile."""
     from hybridsparse.runtime.gguf_file import GGUFFile
     g = GGUFFile(model_path)
@@ -50,7 +51,7 @@ def model_problem(model_path: Path, profile_dir: Path, profile: Profile, vram_bu
                    (*FFN_PARTS, "ffn_down_t") and n.endswith(".weight")}
             down = ffn.get(prefix + "ffn_down.weight")
             if down is not None and prefix + "ffn_down_t.weight" not in ffn:
-                ffn[down.name] = transposed_down_info(down)
+                ffn[down.name] = transposed_down_info(down, down_t_type)
             up = g.tensors.get(prefix + "ffn_up.weight")
             if up is None:
                 raise ModelError(f"{model_path}: tensor {prefix}ffn_up.weight is missing")
@@ -78,17 +79,17 @@ def model_problem(model_path: Path, profile_dir: Path, profile: Profile, vram_bu
             side.close()
 
 
-def transposed_down_info(down):
+def transposed_down_info(down, down_t_type: str = DEFAULT_DOWN_T_TYPE):
     """A llama.cpp-layout ffn_down as the hybrid runtime reads it: transposed once into rows of
-    runtime.hybrid._transposed_type (float16 for block formats, whose blocks cannot be transposed: 3.6x the bytes
-    of Q4_0 rows), read by the CPU for cold neurons and gathered onto the GPU for hot ones. The plan counts
+    runtime.hybrid._transposed_type (Q8_0 or float16 for block formats, whose blocks cannot be transposed: 1.9x /
+    3.6x the bytes of Q4_0 rows), read by the CPU for cold neurons and gathered onto the GPU for hot ones. The plan counts
     those bytes, not the file's (which undercounted a Q4_0 file's hot neurons' VRAM by ~1.8x)."""
     from gguf import GGML_QUANT_SIZES
 
     from hybridsparse.runtime.gguf_file import TensorInfo
     from hybridsparse.runtime.hybrid import _transposed_type
     n_ff, d_model = down.shape[0], down.rows  # ffn_down: d_model rows of n_ff
-    qt = _transposed_type(down.qtype, d_model)
+    qt = _transposed_type(down.qtype, d_model, down_t_type)
     block, size = GGML_QUANT_SIZES[qt]
     return TensorInfo(down.name.replace("ffn_down", "ffn_down_t"), (d_model, n_ff), qt, down.offset,
                       n_ff * d_model // block * size)
@@ -175,7 +176,7 @@ DEFAULT_GPU_GIB_S, DEFAULT_CPU_GIB_S, DEFAULT_PCIE_GIB_S, DEFAULT_SYNC_US = 800.
 def ensure_index(model: Path, profile_dir: Path, budget: int, n_ctx: int = 4096, group: int = 64,
                  ubatch: int = PREFILL_TOKENS, reset: bool = False, hw=None, time_limit: float = 30.0, greedy: bool = False,
                  index_path: Path | None = None, json_out: str | None = None, out=None, plan_out=None,
-                 tag: str = "hs-solve"):
+                 tag: str = "hs-solve", down_t_type: str = DEFAULT_DOWN_T_TYPE):
     """The GPU index for (model, profile, budget): the cached one if it matches, else solved and written.
     `hw`: a Hardware, or a function giving one (called only when a solve is needed: measuring takes
     seconds); None: the default figures. Messages go to `out` (stderr), the plan to `plan_out` (stdout).
@@ -185,7 +186,7 @@ def ensure_index(model: Path, profile_dir: Path, budget: int, n_ctx: int = 4096,
     profile = load_profile(profile_dir)
     expect = {"model_fingerprint": model_fingerprint(model), "profile_hash": profile_hash(profile),
               "vram_budget": budget, "solver_version": SOLVER_VERSION, "group": group, "n_ctx": n_ctx,
-              "ubatch": ubatch}
+              "ubatch": ubatch, "down_t_type": down_t_type}
     if index_path.exists() and not reset:
         index = read_index(index_path)
         reason = stale_reason(index, expect, budget)
@@ -197,7 +198,7 @@ def ensure_index(model: Path, profile_dir: Path, budget: int, n_ctx: int = 4096,
     hw = hw() if callable(hw) else hw
     hw = hw or Hardware(DEFAULT_GPU_GIB_S * GiB, DEFAULT_CPU_GIB_S * GiB, DEFAULT_SYNC_US * 1e-6,
                         DEFAULT_PCIE_GIB_S * GiB)
-    problem = model_problem(model, profile_dir, profile, budget, hw, n_ctx, group, ubatch)
+    problem = model_problem(model, profile_dir, profile, budget, hw, n_ctx, group, ubatch, down_t_type)
     plan = solve(problem, time_limit, "greedy" if greedy else "ilp")
     print_plan(plan, problem, out=plan_out)
     meta = {**expect, "attn_gpu": plan.attn_gpu, "head_gpu": plan.head_gpu, "method": plan.method,
@@ -220,7 +221,8 @@ def _main(args) -> int:
     check_ubatch(args.ubatch_size)
     ensure_index(model, profile_dir, int(budget_gib * GiB), args.ctx_size, args.group, args.ubatch_size, args.reset_gpu_index,
                  lambda: measure_hardware(args), args.time_limit, args.greedy,
-                 Path(args.index) if args.index else None, args.json)
+                 Path(args.index) if args.index else None, args.json,
+                 down_t_type=args.down_t_type)
     return 0
 
 
@@ -234,6 +236,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("-c", "--ctx-size", type=int, default=4096, help="context for the KV cache (default: %(default)s)")
     ap.add_argument("-ub", "--ubatch-size", type=int, default=PREFILL_TOKENS, help="prompt tokens per pass on the "
                     "GPU that the plan keeps VRAM for (hs-run -ub; default: %(default)s)")
+    ap.add_argument("--down-t-type", default=DEFAULT_DOWN_T_TYPE, choices=["f16", "q8_0"],
+                    help="llama.cpp files with block-quantized ffn_down: the type of its transposed copy, which the "
+                         "plan counts (as hs-run --down-t-type; default: %(default)s)")
     ap.add_argument("--group", type=int, default=64, help="neurons per placement unit (default: %(default)s)")
     ap.add_argument("--measure", action="store_true", help="measure CPU/GPU read bandwidth and the CPU<->GPU "
                     "hand-over here instead of the given figures")

@@ -113,7 +113,9 @@ def stale_reason(index: GpuIndex, expect: dict, vram_budget: int) -> str | None:
     if index.vram_capacity > vram_budget:
         return (f"it was solved for {index.vram_capacity / 2**30:.2f} GiB of VRAM, more than the "
                 f"{vram_budget / 2**30:.2f} GiB budget now")
-    for key in ("model_fingerprint", "profile_hash", "vram_budget", "solver_version", "group", "n_ctx", "ubatch"):
-        if key in expect and index.meta.get(key) != expect[key]:
-            return f"its {key} is {index.meta.get(key)!r}, now {expect[key]!r}"
+    absent = {"down_t_type": "f16"}  # keys older indexes lack: what they were solved with
+    for key in ("model_fingerprint", "profile_hash", "vram_budget", "solver_version", "group", "n_ctx", "ubatch",
+                "down_t_type"):
+        if key in expect and index.meta.get(key, absent.get(key)) != expect[key]:
+            return f"its {key} is {index.meta.get(key, absent.get(key))!r}, now {expect[key]!r}"
     return None

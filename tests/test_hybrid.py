@@ -253,6 +253,30 @@ def test_transposed_down_is_cached_once(tmp_path):
     assert GGUFFile(cache).tensors
 
 
+def test_down_t_type_of_a_quantized_llama_cpp_file(tmp_path):
+    """A llama.cpp file's Q4_0 ffn_down transposed into Q8_0 rows (the default) or F16 (--down-t-type f16), each
+    cached under its own name: the oracle with F16 rows equals dense execution, with Q8_0 rows it is within the
+    second rounding's reach, and both give dense's greedy tokens on this model."""
+    from hybridsparse.runtime.synth import write_synth
+    path = write_synth(tmp_path, "tiny", "q4_0", "llama.cpp", predictor_width=64)
+    ids = torch.randint(0, 200, (PROMPT,), generator=torch.Generator().manual_seed(3))
+    ref_logits, ref_tokens = greedy_run(load_model(GGUFFile(path)), ids)
+    scale = max(ref_logits.abs().max().item(), 1.0)
+    errs = {}
+    for t, qtype, tol in (("f16", "F16", 1e-4), ("q8_0", "Q8_0", 2e-2)):
+        model = load_model(GGUFFile(path))
+        setup_hybrid(model, path, HybridOptions(mode="oracle", vram_budget=0, down_t_type=t), log_line=lambda *_: None)
+        cache = GGUFFile(down_t_cache_path(path, t))
+        assert cache.tensors["blk.0.ffn_down_t.weight"].qtype.name == qtype
+        assert model.layers[0].ffn.down_t.qtype.name == qtype
+        logits, tokens = greedy_run(model, ids)
+        errs[t] = (logits - ref_logits).abs().max().item() / scale
+        assert errs[t] <= tol, (t, errs[t])
+        assert tokens == ref_tokens, t
+    assert errs["q8_0"] > errs["f16"]  # the Q8_0 rows were rounded again: not the F16 rows under another name
+    assert down_t_cache_path(path) == down_t_cache_path(path, "q8_0") != down_t_cache_path(path, "f16")
+
+
 def hs_run(*args, timeout=180):
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     return subprocess.run([sys.executable, "-m", "hybridsparse.runtime.cli", *args], capture_output=True,
@@ -278,6 +302,8 @@ def test_hs_run_hybrid_flags(tmp_path):
         ("--vram-budget", "-1"): "must be >= 0",
         ("--dense", "-ub", "0"): "-ub 0: expected at least 1",
     }
+    r = hs_run(*base, "--down-t-type", "q4_0")  # argparse's own message: usage, then the error
+    assert r.returncode == 2 and "--down-t-type: invalid choice: 'q4_0'" in r.stderr, r.stderr
     for extra, needle in bad.items():
         r = hs_run(*base, *extra)
         assert r.returncode == 1 and needle in r.stderr and len(r.stderr.strip().splitlines()) == 1, (extra, r.stderr)

@@ -10,7 +10,7 @@ import torch
 from hybridsparse.profiler.activations import load_profile, save_profile
 from hybridsparse.runtime.errors import InputError
 from hybridsparse.solver import cli
-from hybridsparse.solver.gpuidx import read_index, write_index
+from hybridsparse.solver.gpuidx import read_index, stale_reason, write_index
 from hybridsparse.solver.plan import (GiB, Hardware, LayerShape, Problem, evaluate, solve, solve_brute_force,
                                       solve_greedy, solve_ilp)
 
@@ -171,6 +171,17 @@ def test_hs_solve_end_to_end_caches_and_resets(relu_model, capsys):
     assert cli.main(["-m", str(relu_model), "--vram-budget", "1.1", "--group", "8", "-ub", "512"]) == 0
     assert "its ubatch is 128, now 512" in capsys.readouterr().err
     assert read_index(index).meta["ubatch"] == 512
+    # and another type for a llama.cpp file's transposed ffn_down (the plan counts its rows); an index solved
+    # before the key existed counted F16 rows
+    assert cli.main(["-m", str(relu_model), "--vram-budget", "1.1", "--group", "8", "-ub", "512", "--down-t-type",
+                     "f16"]) == 0
+    assert "its down_t_type is 'q8_0', now 'f16'" in capsys.readouterr().err
+    old = read_index(index)
+    assert old.meta["down_t_type"] == "f16"
+    assert stale_reason(old, {"down_t_type": "f16"}, old.vram_capacity) is None
+    old.meta.pop("down_t_type")
+    assert stale_reason(old, {"down_t_type": "f16"}, old.vram_capacity) is None
+    assert "down_t_type is 'f16', now 'q8_0'" in stale_reason(old, {"down_t_type": "q8_0"}, old.vram_capacity)
     assert cli.main(["-m", str(relu_model), "--vram-budget", "1.1", "-ub", "0"]) == 1
     assert "-ub 0: expected at least 1" in capsys.readouterr().err
     torch.save(torch.ones(5), relu_model.with_name("relu.hs-profile") / "activation" / "activation_0.pt")
@@ -188,12 +199,12 @@ def test_hs_solve_bad_inputs(relu_model, tmp_path, capsys):
     assert "corrupt GPU index" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("dtype", ["q4_0", "q8_0", "f16"])
-def test_plan_counts_the_transposed_down_rows_the_runtime_reads(tmp_path, dtype):
-    """A llama.cpp-layout file's ffn_down is read by the hybrid runtime as rows transposed once (float16 for
-    block formats, runtime/hybrid.py transposed_down): the plan counts those bytes per neuron, on the CPU and
-    on the GPU, not the file's (a Q4_0 file's hot neurons took ~1.8x the VRAM the plan gave them); a PowerInfer
-    file of the same weights is counted as stored."""
+@pytest.mark.parametrize("dtype,down_t_type", [("q4_0", "q8_0"), ("q4_0", "f16"), ("q8_0", "q8_0"), ("f16", "q8_0")])
+def test_plan_counts_the_transposed_down_rows_the_runtime_reads(tmp_path, dtype, down_t_type):
+    """A llama.cpp-layout file's ffn_down is read by the hybrid runtime as rows transposed once (Q8_0 for block
+    formats by default, F16 with --down-t-type f16, float formats as stored; runtime/hybrid.py transposed_down):
+    the plan counts those bytes per neuron, on the CPU and on the GPU, not the file's (a Q4_0 file's hot neurons
+    took ~1.8x the VRAM the plan gave them); a PowerInfer file of the same weights is counted as stored."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 
     from hybridsparse.runtime.gguf_file import GGUFFile
@@ -204,21 +215,24 @@ def test_plan_counts_the_transposed_down_rows_the_runtime_reads(tmp_path, dtype)
     for layout in ("llama.cpp", "powerinfer"):
         model = write_synth(tmp_path / layout, "tiny", dtype, layout, predictor_width=64)
         prof_dir = model.with_name(model.stem + ".hs-profile")
-        p = cli.model_problem(model, prof_dir, load_profile(prof_dir), int(GiB), hw, 256, 8)
+        p = cli.model_problem(model, prof_dir, load_profile(prof_dir), int(GiB), hw, 256, 8, down_t_type=down_t_type)
         got[layout] = p.layers[0]
         g = GGUFFile(model)
         d_model, n_ff = g.tensors["blk.0.ffn_up.weight"].shape[0], g.tensors["blk.0.ffn_up.weight"].rows
         row = g.tensors["blk.0.ffn_up.weight"].row_bytes
         if layout == "llama.cpp":
-            down_t = transposed_down(g, 1)[0]  # what the runtime reads
+            down_t = transposed_down(g, 1, down_t_type=down_t_type)[0]  # what the runtime reads
             down_row = down_t.data.numel() * down_t.data.element_size() // n_ff
-            assert down_t.qtype == Q.F16
-            assert down_row == 2 * d_model
+            want = Q.F16 if dtype == "f16" or down_t_type == "f16" else Q.Q8_0
+            assert down_t.qtype == want
+            assert down_row == d_model // GGML_QUANT_SIZES[want][0] * GGML_QUANT_SIZES[want][1]
         else:
             down_row = g.tensors["blk.0.ffn_down_t.weight"].row_bytes
             assert down_row == d_model // GGML_QUANT_SIZES[Q[dtype.upper()]][0] * GGML_QUANT_SIZES[Q[dtype.upper()]][1]
         assert got[layout].neuron_bytes == 2 * row + down_row, layout
         assert got[layout].gpu_neuron_bytes == 2 * row + down_row, layout  # formats the CUDA kernels read
         g.close()
-    if dtype != "f16":
+    if dtype == "q4_0":  # Q4_0 rows transposed into a wider type
         assert got["llama.cpp"].neuron_bytes > got["powerinfer"].neuron_bytes
+    else:  # Q8_0 stays Q8_0, F16 F16
+        assert got["llama.cpp"].neuron_bytes == got["powerinfer"].neuron_bytes

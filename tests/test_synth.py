@@ -316,8 +316,8 @@ def test_quantized_predictors_pick_nearly_the_same_neurons(tmp_path, ptype, agre
 
 def test_hybrid_roofline_counts_the_rows_the_hybrid_reads(tmp_path):
     """The roofline's bytes for a hybrid FFN are the rows it reads: a llama.cpp-layout Q4_0 file's ffn_down as
-    the float16 rows it is transposed into, so the same weights in that layout read more than in PowerInfer's
-    (Q4_0 ffn_down_t) by exactly the cold neurons' expected down bytes in float16 less Q4_0."""
+    the Q8_0 rows it is transposed into (--down-t-type's default), so the same weights in that layout read more
+    than in PowerInfer's (Q4_0 ffn_down_t) by exactly the cold neurons' expected down bytes in Q8_0 less Q4_0."""
     import json
     got = {}
     for layout in ("llama.cpp", "powerinfer"):
@@ -329,5 +329,5 @@ def test_hybrid_roofline_counts_the_rows_the_hybrid_reads(tmp_path):
         profile = load_profile(model.with_name(model.stem + ".hs-profile"))
         d_model = GGUFFile(model).tensors["blk.0.ffn_up.weight"].shape[0]
     active = sum(float(f.sum()) for f in profile.frequencies())  # expected neurons a token, all cold (CPU only)
-    extra = active * (2 * d_model - d_model // 32 * 18)
+    extra = active * (d_model // 32 * 34 - d_model // 32 * 18)
     assert got["llama.cpp"]["cpu_bytes_per_token"] - got["powerinfer"]["cpu_bytes_per_token"] == pytest.approx(extra, rel=1e-6)
