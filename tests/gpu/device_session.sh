@@ -36,7 +36,8 @@
 #   ceiling: listed rows only read (csrc/cpu_probe.cpp) against the row-dot, Q4_0 13B / 70B and F16 13B rows, 1 and 16
 #   threads, asking 1 or 2 groups ahead (tests/gpu/read_ceiling_bench.py), then S2's step so (HS_NEXT_ROWS=1/2, and 2
 #   with 128-neuron chunks) and with the old 16-neuron chunks (HS_FFN_CHUNK=16), alternating
-#   s5chunk: S5's CPU-only sparse decode through hs-run with HS_FFN_CHUNK=16 and 64 (HS_CHUNKS), alternating
+#   s5chunk: S5's CPU-only sparse decode through hs-run with HS_FFN_CHUNK=16 and 64, alternating (HS_S5_VARIANTS:
+#   ';'-separated env settings, e.g. "HS_FFN_CHUNK=16;HS_FFN_CHUNK=64;HS_NEXT_ROWS=0")
 #   s5run: S5's model through hs-run, CPU-only sparse (--vram-budget 0) vs dense (-ngl 0), 16 threads, alternating
 #   pollab: S5's CPU-only sparse decode (16 threads, HS_POLL_T) through hs-run and through hs-bench's child process
 #   alone and beside another process reading NVML every HS_POLL_PERIODS seconds (the parent's peak-memory poll),
@@ -322,10 +323,11 @@ HS_PROFILE_MODES=poll,poll-c16,poll-ahead2,poll-ahead2-c128,poll,poll-c16,poll-a
 fi
 if [[ $STAGES == *,s5chunk,* ]]; then  # S5's CPU-only sparse decode by HS_FFN_CHUNK (16 until session 29, 64 since), alternating
 write_s5_model
+IFS=';' read -ra S5_VARIANTS <<< "${HS_S5_VARIANTS:-HS_FFN_CHUNK=16;HS_FFN_CHUNK=64}"
 for r in ${HS_S5_ROUNDS:-1 2}; do
-  for c in ${HS_CHUNKS:-16 64}; do
-    printf "HS_FFN_CHUNK=%s: " "$c" | tee -a "$OUT/s5-chunk.txt"
-    HS_FFN_CHUNK=$c hs-run -m $M5 --vram-budget 0 -t ${HS_POLL_T:-16} -n 64 -p "$(printf 'hello world %.0s' $(seq 32))" --temp 0 \
+  for v in "${S5_VARIANTS[@]}"; do
+    printf "%s: " "$v" | tee -a "$OUT/s5-chunk.txt"
+    env $v hs-run -m $M5 --vram-budget 0 -t ${HS_POLL_T:-16} -n 64 -p "$(printf 'hello world %.0s' $(seq 32))" --temp 0 \
       2>&1 >/dev/null | grep " eval time" | tee -a "$OUT/s5-chunk.txt"
   done
 done
