@@ -778,6 +778,11 @@ def transposed_down(gguf, n_layers: int, progress=None, down_t_type: str = DEFAU
         except Exception as e:  # noqa: BLE001 - a damaged cache is rebuilt, never trusted
             log.warning("%s: unreadable (%s); rebuilding it", path, e)
     log.info("transposing ffn_down once into %s", path)
+    for other in DOWN_T_TYPES:
+        stale = down_t_cache_path(Path(gguf.path), other)
+        if other != down_t_type and stale.exists():  # a 70B file's F16 copy is ~45 GB: say that it lies unread
+            log.warning("%s (%.1f GiB) is the %s copy of ffn_down, read only with --down-t-type %s: delete it if you "
+                        "no longer use that", stale, stale.stat().st_size / 2**30, other.upper(), other)
     infos = [gguf.tensors.get(f"blk.{i}.ffn_down.weight") for i in range(n_layers)]
     for i, info in enumerate(infos):
         if info is None:

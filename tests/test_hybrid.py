@@ -253,7 +253,7 @@ def test_transposed_down_is_cached_once(tmp_path):
     assert GGUFFile(cache).tensors
 
 
-def test_down_t_type_of_a_quantized_llama_cpp_file(tmp_path):
+def test_down_t_type_of_a_quantized_llama_cpp_file(tmp_path, caplog):
     """A llama.cpp file's Q4_0 ffn_down transposed into Q8_0 rows (the default) or F16 (--down-t-type f16), each
     cached under its own name: the oracle with F16 rows equals dense execution, with Q8_0 rows it is within the
     second rounding's reach, and both give dense's greedy tokens on this model."""
@@ -274,6 +274,9 @@ def test_down_t_type_of_a_quantized_llama_cpp_file(tmp_path):
         assert errs[t] <= tol, (t, errs[t])
         assert tokens == ref_tokens, t
     assert errs["q8_0"] > errs["f16"]  # the Q8_0 rows were rounded again: not the F16 rows under another name
+    # the Q8_0 copy was made while the F16 one lay beside the model: said so, once, naming it
+    said = [r.getMessage() for r in caplog.records if "read only with --down-t-type" in r.getMessage()]
+    assert len(said) == 1 and str(down_t_cache_path(path, "f16")) in said[0] and "F16 copy" in said[0], said
     assert down_t_cache_path(path) == down_t_cache_path(path, "q8_0") != down_t_cache_path(path, "f16")
 
 
