@@ -759,8 +759,8 @@ def _transposed_type(qtype: Q, n: int, down_t_type: str = DEFAULT_DOWN_T_TYPE) -
 
 def transposed_down(gguf, n_layers: int, progress=None, down_t_type: str = DEFAULT_DOWN_T_TYPE) -> list[QWeight]:
     """`ffn_down_t` per layer for a llama.cpp file (which stores ffn_down as [d_model rows of n_ff]):
-    transposed once and kept next to the model in `<model>.hs-down_t.gguf` (memory-mapped after;
-    `<model>.hs-down_t-q8_0.gguf` in Q8_0, `<model>.hs-down_t.gguf` in F16)."""
+    transposed once and kept next to the model (memory-mapped after): `<model>.hs-down_t-q8_0.gguf` with
+    down_t_type "q8_0", `<model>.hs-down_t.gguf` with "f16"."""
     import gguf as gg
 
     from hybridsparse.solver.gpuidx import model_fingerprint

@@ -95,6 +95,20 @@ def transposed_down_info(down, down_t_type: str = DEFAULT_DOWN_T_TYPE):
                       n_ff * d_model // block * size)
 
 
+def transposes_block_down(model_path: Path) -> bool:
+    """Whether the runtime transposes a block-quantized ffn_down for this file (a llama.cpp-layout file whose
+    ffn_down is not a float type): the one case where --down-t-type decides the bytes of its down rows."""
+    from hybridsparse.runtime.gguf_file import GGUFFile
+    from hybridsparse.runtime.quants import FLOAT_TYPES
+    g = GGUFFile(model_path)
+    try:
+        downs = [t for n, t in g.tensors.items() if n.endswith(".ffn_down.weight")]
+        return any(t.qtype not in FLOAT_TYPES for t in downs) and not any(
+            n.endswith(".ffn_down_t.weight") for n in g.tensors)
+    finally:
+        g.close()
+
+
 def _gpu_nbytes(t) -> int:
     """Bytes a tensor takes on the GPU: as stored where the CUDA kernels read its format, else float16
     (the runtime dequantizes those once when it places them); 1-D tensors (norms, biases) as float32."""
@@ -186,7 +200,9 @@ def ensure_index(model: Path, profile_dir: Path, budget: int, n_ctx: int = 4096,
     profile = load_profile(profile_dir)
     expect = {"model_fingerprint": model_fingerprint(model), "profile_hash": profile_hash(profile),
               "vram_budget": budget, "solver_version": SOLVER_VERSION, "group": group, "n_ctx": n_ctx,
-              "ubatch": ubatch, "down_t_type": down_t_type}
+              "ubatch": ubatch}
+    if transposes_block_down(model):  # only then does --down-t-type change what the plan counts
+        expect["down_t_type"] = down_t_type
     if index_path.exists() and not reset:
         index = read_index(index_path)
         reason = stale_reason(index, expect, budget)

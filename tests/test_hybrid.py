@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from hybridsparse.runtime import hybrid, kernels
+from hybridsparse.runtime.errors import InputError
 from hybridsparse.runtime.gguf_file import GGUFFile
 from hybridsparse.solver import plan
 from hybridsparse.runtime.hybrid import HybridFFN, HybridOptions, down_t_cache_path, setup_hybrid
@@ -278,6 +279,9 @@ def test_down_t_type_of_a_quantized_llama_cpp_file(tmp_path, caplog):
     said = [r.getMessage() for r in caplog.records if "read only with --down-t-type" in r.getMessage()]
     assert len(said) == 1 and str(down_t_cache_path(path, "f16")) in said[0] and "F16 copy" in said[0], said
     assert down_t_cache_path(path) == down_t_cache_path(path, "q8_0") != down_t_cache_path(path, "f16")
+    with pytest.raises(InputError, match="--down-t-type: expected one of f16, q8_0, got 'q4_0'"):
+        setup_hybrid(load_model(GGUFFile(path)), path, HybridOptions(mode="oracle", vram_budget=0, down_t_type="q4_0"),
+                     log_line=lambda *_: None)
 
 
 def hs_run(*args, timeout=180):

@@ -171,17 +171,10 @@ def test_hs_solve_end_to_end_caches_and_resets(relu_model, capsys):
     assert cli.main(["-m", str(relu_model), "--vram-budget", "1.1", "--group", "8", "-ub", "512"]) == 0
     assert "its ubatch is 128, now 512" in capsys.readouterr().err
     assert read_index(index).meta["ubatch"] == 512
-    # and another type for a llama.cpp file's transposed ffn_down (the plan counts its rows); an index solved
-    # before the key existed counted F16 rows
+    # a float ffn_down is transposed as it is: --down-t-type changes nothing the plan counts, nor the index
     assert cli.main(["-m", str(relu_model), "--vram-budget", "1.1", "--group", "8", "-ub", "512", "--down-t-type",
                      "f16"]) == 0
-    assert "its down_t_type is 'q8_0', now 'f16'" in capsys.readouterr().err
-    old = read_index(index)
-    assert old.meta["down_t_type"] == "f16"
-    assert stale_reason(old, {"down_t_type": "f16"}, old.vram_capacity) is None
-    old.meta.pop("down_t_type")
-    assert stale_reason(old, {"down_t_type": "f16"}, old.vram_capacity) is None
-    assert "down_t_type is 'f16', now 'q8_0'" in stale_reason(old, {"down_t_type": "q8_0"}, old.vram_capacity)
+    assert "reusing it" in capsys.readouterr().err and "down_t_type" not in read_index(index).meta
     assert cli.main(["-m", str(relu_model), "--vram-budget", "1.1", "-ub", "0"]) == 1
     assert "-ub 0: expected at least 1" in capsys.readouterr().err
     torch.save(torch.ones(5), relu_model.with_name("relu.hs-profile") / "activation" / "activation_0.pt")
@@ -197,6 +190,29 @@ def test_hs_solve_bad_inputs(relu_model, tmp_path, capsys):
     relu_model.with_name("relu.generated.gpuidx").write_bytes(b"GGUF\x03\x00\x00\x00garbage")
     assert cli.main(["-m", str(relu_model), "--vram-budget", "4"]) == 1
     assert "corrupt GPU index" in capsys.readouterr().err
+
+
+def test_index_is_stale_when_the_transposed_down_type_changes(tmp_path, capsys):
+    """A llama.cpp file with a Q4_0 ffn_down: the plan counts its transposed rows at --down-t-type's size, so an
+    index solved for the other type is stale (Q8_0 planned, F16 run: over the budget); one solved before the key
+    existed counted F16 rows."""
+    from hybridsparse.runtime.synth import write_synth
+    model = write_synth(tmp_path, "tiny", "q4_0", "llama.cpp", predictor_width=64)
+    assert cli.transposes_block_down(model)
+    args = ["-m", str(model), "--vram-budget", "1", "--group", "8"]
+    assert cli.main(args) == 0
+    index = read_index(model.with_name(model.stem + ".generated.gpuidx"))
+    assert index.meta["down_t_type"] == "q8_0"
+    capsys.readouterr()
+    assert cli.main(args + ["--down-t-type", "f16"]) == 0
+    assert "its down_t_type is 'q8_0', now 'f16'" in capsys.readouterr().err
+    old = read_index(model.with_name(model.stem + ".generated.gpuidx"))
+    assert old.meta["down_t_type"] == "f16"
+    old.meta.pop("down_t_type")
+    assert stale_reason(old, {"down_t_type": "f16"}, old.vram_capacity) is None
+    assert "down_t_type is 'f16', now 'q8_0'" in stale_reason(old, {"down_t_type": "q8_0"}, old.vram_capacity)
+    assert not cli.transposes_block_down(write_synth(tmp_path, "tiny", "q4_0", "powerinfer", predictor_width=64))
+    assert not cli.transposes_block_down(write_synth(tmp_path, "tiny", "f16", "llama.cpp", predictor_width=64))
 
 
 @pytest.mark.parametrize("dtype,down_t_type", [("q4_0", "q8_0"), ("q4_0", "f16"), ("q8_0", "q8_0"), ("f16", "q8_0")])
