@@ -766,6 +766,7 @@ def transposed_down(gguf, n_layers: int, progress=None, down_t_type: str = DEFAU
     from hybridsparse.solver.gpuidx import model_fingerprint
 
     from .gguf_file import GGUFFile
+    from .quantize import quantize_rows
 
     path = down_t_cache_path(Path(gguf.path), down_t_type)
     fp = model_fingerprint(gguf)
@@ -809,8 +810,8 @@ def transposed_down(gguf, n_layers: int, progress=None, down_t_type: str = DEFAU
             data = dense
         elif qt == Q.F16:
             data = dense.astype(np.float16)
-        else:
-            data = gg.quants.quantize(dense, qt)
+        else:  # the rows over the -t threads (same bytes as one quants.quantize call)
+            data = quantize_rows(dense, qt, threads=torch.get_num_threads())
         w.write_tensor_data(np.ascontiguousarray(data))
     w.close()
     tmp.replace(path)
