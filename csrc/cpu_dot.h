@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <type_traits>
 
 #include "env.h"
 #include "quant_blocks.h"
@@ -1093,7 +1094,7 @@ HS_AVX512 static inline float dot_f16_avx512(const void* row, const float* x, in
 }
 
 // NEXT: rows[G..2G-1] are the rows of the group that comes next, a line of each asked for into L2 as this
-// group's rows pass one (see axpy_rows_q4_0_avx512's NEXT)
+// group's rows pass one (see axpy_rows_blocks_avx512's NEXT)
 template <bool NEXT = false>
 HS_AVX512 static inline void axpy_rows_f16_avx512(const float* s, const void* const* rows, float* y, int64_t n) {
   __m512 sv[AXPY_GROUP];
@@ -1137,32 +1138,44 @@ HS_AVX512 static inline void block_scales16(const float* s, const void* const* r
   }
 }
 
-// Q4_0 rows added into y with 512-bit lanes, G at a time (1: the direct axpy, AXPY_GROUP: the group's):
-// one widening move per block and row (16 bytes -> 16 lanes), and the nibbles turned into floats by a
-// 16-entry table holding q - 8 (vpermps reads only the low 4 bits of each lane: no mask, no offset
-// term). Against a mask, cvtdq2ps and the offset added per block: 7.9 -> 9.3 GiB/s on one Zen 4 core
-// with the rows in cache, 6.4 -> 7.5 from memory.
+// A block's 32 values as floats, before its scale: Q4_0's 16 bytes widened to 32-bit lanes once (byte i holds
+// values i and i + 16) and the nibbles turned into floats by a 16-entry table holding q - 8 (vpermps reads
+// only the low 4 bits of each lane: no mask, no offset term; against a mask, cvtdq2ps and the offset added
+// per block: 7.9 -> 9.3 GiB/s on one Zen 4 core with the rows in cache, 6.4 -> 7.5 from memory); Q8_0's two
+// halves widened and converted.
+HS_AVX512 static inline void block_values_avx512(const BlockQ4_0& w, __m512& v0, __m512& v1) {
+  const __m512 lut = _mm512_setr_ps(-8.f, -7.f, -6.f, -5.f, -4.f, -3.f, -2.f, -1.f, 0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f);
+  const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.qs)));
+  v0 = _mm512_permutexvar_ps(v, lut);                       // low nibbles
+  v1 = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), lut);  // high nibbles
+}
+HS_AVX512 static inline void block_values_avx512(const BlockQ8_0& w, __m512& v0, __m512& v1) {
+  v0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.qs))));
+  v1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.qs + 16))));
+}
+
+// Q4_0 / Q8_0 rows added into y with 512-bit lanes, G at a time (1: the direct axpy, AXPY_GROUP: the group's),
+// one load and store of y per block for the G rows, the scales from block_scales16.
 // NEXT: rows[G..2G-1] are the rows of the group that comes next, asked for into L2 a line of each as this
 // group's blocks pass one (see dot_q4_0_rows_wide's NEXT)
-template <int G, bool NEXT = false>
-HS_AVX512 static inline void axpy_rows_q4_0_avx512(const float* s, const void* const* rows, float* y, int64_t n) {
-  const __m512 lut = _mm512_setr_ps(-8.f, -7.f, -6.f, -5.f, -4.f, -3.f, -2.f, -1.f, 0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f);
+template <class Block, int G, bool NEXT = false>
+HS_AVX512 static inline void axpy_rows_blocks_avx512(const float* s, const void* const* rows, float* y, int64_t n) {
   const int64_t nb = n / QK;
   alignas(64) float sd[G][16];
   for (int64_t c = 0; c < nb; c += 16) {
     const int m = static_cast<int>(std::min<int64_t>(16, nb - c));
-    block_scales16<BlockQ4_0, G>(s, rows, c, m, sd);
+    block_scales16<Block, G>(s, rows, c, m, sd);
     for (int k = 0; k < m; ++k) {
       const int64_t b = c + k;
-      if constexpr (NEXT) ask_next_lines<G>(rows + G, b * int64_t{sizeof(BlockQ4_0)}, sizeof(BlockQ4_0));
+      if constexpr (NEXT) ask_next_lines<G>(rows + G, b * int64_t{sizeof(Block)}, sizeof(Block));
       float* yb = y + b * QK;
       __m512 a0 = _mm512_loadu_ps(yb), a1 = _mm512_loadu_ps(yb + 16);
       for (int j = 0; j < G; ++j) {
-        const BlockQ4_0& w = static_cast<const BlockQ4_0*>(rows[j])[b];
+        __m512 v0, v1;
+        block_values_avx512(static_cast<const Block*>(rows[j])[b], v0, v1);
         const __m512 sv = _mm512_set1_ps(sd[j][k]);
-        const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.qs)));
-        a0 = _mm512_fmadd_ps(sv, _mm512_permutexvar_ps(v, lut), a0);                       // low nibbles
-        a1 = _mm512_fmadd_ps(sv, _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), lut), a1);  // high nibbles
+        a0 = _mm512_fmadd_ps(sv, v0, a0);
+        a1 = _mm512_fmadd_ps(sv, v1, a1);
       }
       _mm512_storeu_ps(yb, a0);
       _mm512_storeu_ps(yb + 16, a1);
@@ -1170,13 +1183,13 @@ HS_AVX512 static inline void axpy_rows_q4_0_avx512(const float* s, const void* c
   }
 }
 HS_AVX512 static inline void axpy_group_q4_0_avx512(const float* s, const void* const* rows, float* y, int64_t n) {
-  axpy_rows_q4_0_avx512<AXPY_GROUP>(s, rows, y, n);
+  axpy_rows_blocks_avx512<BlockQ4_0, AXPY_GROUP>(s, rows, y, n);
 }
 HS_AVX512 static inline void axpy_group_q4_0_avx512_next(const float* s, const void* const* rows, float* y, int64_t n) {
-  axpy_rows_q4_0_avx512<AXPY_GROUP, true>(s, rows, y, n);
+  axpy_rows_blocks_avx512<BlockQ4_0, AXPY_GROUP, true>(s, rows, y, n);
 }
 HS_AVX512 static inline void axpy_q4_0_avx512(float s, const void* row, float* y, int64_t n) {
-  axpy_rows_q4_0_avx512<1>(&s, &row, y, n);
+  axpy_rows_blocks_avx512<BlockQ4_0, 1>(&s, &row, y, n);
 }
 
 // Several tokens' axpy over n rows at once (a prompt's or a batch's down projection): y[t * K + i] +=
@@ -1187,7 +1200,6 @@ HS_AVX512 static inline void axpy_q4_0_avx512(float s, const void* row, float* y
 template <int64_t QT, int NT>
 HS_AVX512 static inline void axpy_tokens_avx512(const float* h, int64_t hs, const void* const* rows, int n, float* y,
                                                int64_t K) {
-  const __m512 lut = _mm512_setr_ps(-8.f, -7.f, -6.f, -5.f, -4.f, -3.f, -2.f, -1.f, 0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f);
   for (int64_t b = 0; b < K / QK; ++b) {
     __m512 a[NT][2];
     for (int t = 0; t < NT; ++t) {
@@ -1200,18 +1212,14 @@ HS_AVX512 static inline void axpy_tokens_avx512(const float* h, int64_t hs, cons
         const uint16_t* r = static_cast<const uint16_t*>(rows[j]) + b * QK;
         w0 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r)));
         w1 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + 16)));
-      } else if constexpr (QT == Q8_0) {
-        const BlockQ8_0& w = static_cast<const BlockQ8_0*>(rows[j])[b];
-        const __m512 d = _mm512_set1_ps(_cvtsh_ss(w.d));
-        w0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.qs)))));
-        w1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.qs + 16)))));
       } else {
-        static_assert(QT == Q4_0, "F16, Q8_0 or Q4_0");
-        const BlockQ4_0& w = static_cast<const BlockQ4_0*>(rows[j])[b];
+        static_assert(QT == Q8_0 || QT == Q4_0, "F16, Q8_0 or Q4_0");
+        using Block = std::conditional_t<QT == Q8_0, BlockQ8_0, BlockQ4_0>;
+        const Block& w = static_cast<const Block*>(rows[j])[b];
         const __m512 d = _mm512_set1_ps(_cvtsh_ss(w.d));
-        const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.qs)));
-        w0 = _mm512_mul_ps(d, _mm512_permutexvar_ps(v, lut));                       // low nibbles
-        w1 = _mm512_mul_ps(d, _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), lut));  // high nibbles
+        block_values_avx512(w, w0, w1);
+        w0 = _mm512_mul_ps(d, w0);
+        w1 = _mm512_mul_ps(d, w1);
       }
       for (int t = 0; t < NT; ++t) {
         const __m512 sv = _mm512_set1_ps(h[t * hs + j]);
@@ -1273,37 +1281,11 @@ HS_AVX2 static inline void axpy_tokens_avx2(const float* h, int64_t hs, const vo
   }
 }
 
-// NEXT: as axpy_rows_q4_0_avx512's
-template <bool NEXT = false>
-HS_AVX512 static inline void axpy_rows_q8_0_avx512(const float* s, const void* const* rows, float* y, int64_t n) {
-  const int64_t nb = n / QK;
-  alignas(64) float sd[AXPY_GROUP][16];
-  for (int64_t c = 0; c < nb; c += 16) {
-    const int m = static_cast<int>(std::min<int64_t>(16, nb - c));
-    block_scales16<BlockQ8_0, AXPY_GROUP>(s, rows, c, m, sd);
-    for (int k = 0; k < m; ++k) {
-      const int64_t b = c + k;
-      if constexpr (NEXT) ask_next_lines<AXPY_GROUP>(rows + AXPY_GROUP, b * int64_t{sizeof(BlockQ8_0)}, sizeof(BlockQ8_0));
-      float* yb = y + b * QK;
-      __m512 a0 = _mm512_loadu_ps(yb), a1 = _mm512_loadu_ps(yb + 16);
-      for (int j = 0; j < AXPY_GROUP; ++j) {
-        const BlockQ8_0& w = static_cast<const BlockQ8_0*>(rows[j])[b];
-        const __m512 sv = _mm512_set1_ps(sd[j][k]);
-        const __m512i v0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.qs)));
-        const __m512i v1 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.qs + 16)));
-        a0 = _mm512_fmadd_ps(sv, _mm512_cvtepi32_ps(v0), a0);
-        a1 = _mm512_fmadd_ps(sv, _mm512_cvtepi32_ps(v1), a1);
-      }
-      _mm512_storeu_ps(yb, a0);
-      _mm512_storeu_ps(yb + 16, a1);
-    }
-  }
-}
 HS_AVX512 static inline void axpy_group_q8_0_avx512(const float* s, const void* const* rows, float* y, int64_t n) {
-  axpy_rows_q8_0_avx512(s, rows, y, n);
+  axpy_rows_blocks_avx512<BlockQ8_0, AXPY_GROUP>(s, rows, y, n);
 }
 HS_AVX512 static inline void axpy_group_q8_0_avx512_next(const float* s, const void* const* rows, float* y, int64_t n) {
-  axpy_rows_q8_0_avx512<true>(s, rows, y, n);
+  axpy_rows_blocks_avx512<BlockQ8_0, AXPY_GROUP, true>(s, rows, y, n);
 }
 #endif  // HS_X86
 
