@@ -95,18 +95,20 @@ def transposed_down_info(down, down_t_type: str = DEFAULT_DOWN_T_TYPE):
                       n_ff * d_model // block * size)
 
 
-def transposes_block_down(model_path: Path) -> bool:
+def transposes_block_down(model) -> bool:
     """Whether the runtime transposes a block-quantized ffn_down for this file (a llama.cpp-layout file whose
-    ffn_down is not a float type): the one case where --down-t-type decides the bytes of its down rows."""
+    ffn_down is not a float type): the one case where --down-t-type decides the bytes of its down rows.
+    `model`: a path, or a GGUFFile already open (as model_fingerprint)."""
     from hybridsparse.runtime.gguf_file import GGUFFile
     from hybridsparse.runtime.quants import FLOAT_TYPES
-    g = GGUFFile(model_path)
+    g = model if isinstance(model, GGUFFile) else GGUFFile(model)
     try:
         downs = [t for n, t in g.tensors.items() if n.endswith(".ffn_down.weight")]
         return any(t.qtype not in FLOAT_TYPES for t in downs) and not any(
             n.endswith(".ffn_down_t.weight") for n in g.tensors)
     finally:
-        g.close()
+        if g is not model:
+            g.close()
 
 
 def _gpu_nbytes(t) -> int:
@@ -198,11 +200,16 @@ def ensure_index(model: Path, profile_dir: Path, budget: int, n_ctx: int = 4096,
     out = out or sys.stderr
     index_path = index_path or default_index_path(model)
     profile = load_profile(profile_dir)
-    expect = {"model_fingerprint": model_fingerprint(model), "profile_hash": profile_hash(profile),
-              "vram_budget": budget, "solver_version": SOLVER_VERSION, "group": group, "n_ctx": n_ctx,
-              "ubatch": ubatch}
-    if transposes_block_down(model):  # only then does --down-t-type change what the plan counts
-        expect["down_t_type"] = down_t_type
+    from hybridsparse.runtime.gguf_file import GGUFFile
+    g = GGUFFile(model)  # one header parse for both questions
+    try:
+        expect = {"model_fingerprint": model_fingerprint(g), "profile_hash": profile_hash(profile),
+                  "vram_budget": budget, "solver_version": SOLVER_VERSION, "group": group, "n_ctx": n_ctx,
+                  "ubatch": ubatch}
+        if transposes_block_down(g):  # only then does --down-t-type change what the plan counts
+            expect["down_t_type"] = down_t_type
+    finally:
+        g.close()
     if index_path.exists() and not reset:
         index = read_index(index_path)
         reason = stale_reason(index, expect, budget)
