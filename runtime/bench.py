@@ -366,6 +366,7 @@ def _hybrid(args) -> int:
                    ([cfg, {**cfg, "engine": "llama.cpp"}] if cfg["engine"] == "layer split" else [cfg])]
     for cfg in configs:
         cfg.update(model=str(model), threads=args.threads, n_predict=args.n_predict, mode=args.mode,
+                   fixed_bandwidth=getattr(args, "fixed_bandwidth", False),
                    cache_type=str(cache_dtype(args)).removeprefix("torch."),
                    ctx_size=args.ctx_size, prompt_tokens=args.prompt_tokens, reps=args.reps, cpu_bw=m["cpu_read_bandwidth_gib_s"],
                    gpu_bw=m.get("gpu_read_bandwidth_gib_s", 0.0))
@@ -393,9 +394,8 @@ def _hybrid(args) -> int:
                          and r["engine"] == engine and "decode_tok_s" in r), None)
         split, llama = at_budget("layer split"), at_budget("llama.cpp")
         if run["engine"] == "llama.cpp" and split and "decode_tok_s" in run:
-            # llama.cpp reads what our dense split reads: the same roofline
-            run["bound_tok_s"] = split["bound_tok_s"]
-            run["fraction_of_bound"] = run["decode_tok_s"] / split["bound_tok_s"]
+            # llama.cpp reads what our dense split reads: the same roofline, at the bandwidth around its runs
+            run.update(_bound_fields(run["reps"], lambda bw: _split_bound_s(split, bw), split["cpu_bw"]))
         if run["engine"] == "hybrid" and "decode_tok_s" in run:
             if split:
                 run["speedup_vs_layer_split"] = run["decode_tok_s"] / split["decode_tok_s"]
@@ -451,8 +451,9 @@ def hybrid_table(d: dict) -> str:
 
 def scenario_table(results: list[dict]) -> str:
     """One row per scenario run (README): hybrid vs the dense engine at the same budget, the roofline."""
-    # "CPU reads": the host's read bandwidth as the run measured it at its start; the GPU machine's hosts differ
-    # by up to 2x, and the dense split's CPU layers follow it more closely than the hybrid does
+    # "CPU reads": the host's read bandwidth as the run measured it at its start, and the range measured around
+    # the timed runs (from session 32; each run's roofline uses the figure around it). The GPU machine's hosts
+    # differ by up to 2x, and one host's neighbours swing it as much from second to second
     lines = ["| scenario | model | machine | CPU reads GiB/s | threads | VRAM budget | hybrid decode tok/s | "
              "dense decode tok/s | hybrid / dense | hybrid of roofline | dense of roofline | hybrid prefill tok/s | "
              "dense prefill tok/s | peak device GiB |",
@@ -470,9 +471,13 @@ def scenario_table(results: list[dict]) -> str:
                 return fmt.format(r[key]) if key in r else ("error" if "error" in r else "")
             ratio = f"{h['decode_tok_s'] / s['decode_tok_s']:.2f}x" if "decode_tok_s" in h and "decode_tok_s" in s else ""
             peak = max((r.get("peak_device_bytes", 0) for r in (h, s)), default=0)
+            reads = cell(m, "cpu_read_bandwidth_gib_s", "{:.1f}")
+            around = [x["cpu_bw_gib_s"] for r in (h, s) for x in r.get("reps", []) if "cpu_bw_gib_s" in x]
+            if around:  # measured around the timed runs too (their rooflines use these)
+                reads += f" ({min(around):.0f}-{max(around):.0f} around the runs)"
             lines.append(" | ".join([
                 f"| {d['scenario'].split(':')[0]}", Path(d["model"]).name, where,
-                cell(m, "cpu_read_bandwidth_gib_s", "{:.1f}"), str(d.get("threads", "")),
+                reads, str(d.get("threads", "")),
                 "CPU only" if b == 0 else f"{b:g} GiB", cell(h, "decode_tok_s", "{:.2f}"),
                 cell(s, "decode_tok_s", "{:.2f}"), ratio, cell(h, "fraction_of_bound", "{:.0%}"),
                 cell(s, "fraction_of_bound", "{:.0%}"), cell(h, "prefill_tok_s", "{:.1f}"),
@@ -523,21 +528,28 @@ def _hybrid_one(cfg: dict) -> dict:
     sampler = Sampler(SamplingParams(temperature=0))
     for _ in gen.generate(prompt, 4, sampler):  # warm-up (allocator, graphs)
         pass
-    runs = []
-    for _ in range(cfg.get("reps", 1)):
+    def once():
         for _ in gen.generate(prompt, cfg["n_predict"], sampler):
             pass
         t = gen.timings
-        runs.append({"decode_tok_s": max(t.gen_tokens - 1, 1) / t.gen_s, "prefill_tok_s": t.prompt_tokens / t.prompt_s})
+        return {"decode_tok_s": max(t.gen_tokens - 1, 1) / t.gen_s, "prefill_tok_s": t.prompt_tokens / t.prompt_s,
+                "generated": t.gen_tokens}
+
+    runs = _reps_with_bandwidth(once, cfg)
+    generated = runs[-1]["generated"]
+    for r in runs:
+        del r["generated"]
     out = {"decode_tok_s": statistics.median(r["decode_tok_s"] for r in runs),
            "prefill_tok_s": statistics.median(r["prefill_tok_s"] for r in runs),
-           "load_s": round(load_s, 1), "generated": t.gen_tokens, "prompt_tokens": len(prompt), "reps": runs}
+           "load_s": round(load_s, 1), "generated": generated, "prompt_tokens": len(prompt), "reps": runs}
     layers, head = _placement_bytes(lm, cfg)
-    bound_s = roofline_seconds(layers, head, cfg["gpu_bw"] * 2**30, cfg["cpu_bw"] * 2**30,
-                               overlap=cfg["engine"] == "hybrid")
+
+    def bound_s(cpu_bw_gib_s: float) -> float:
+        return roofline_seconds(layers, head, cfg["gpu_bw"] * 2**30, cpu_bw_gib_s * 2**30,
+                                overlap=cfg["engine"] == "hybrid")
     out.update(gpu_bytes_per_token=sum(x[0] for x in layers) + head[0],
-               cpu_bytes_per_token=sum(x[1] for x in layers) + head[1], bound_tok_s=1 / bound_s,
-               fraction_of_bound=out["decode_tok_s"] * bound_s)
+               cpu_bytes_per_token=sum(x[1] for x in layers) + head[1],
+               **_bound_fields(runs, bound_s, cfg["cpu_bw"]))
     if lm.hybrid_report:
         r = lm.hybrid_report
         out["placement"] = (f"attention {r['attn_fast']}/{lm.model.config.n_layers} layers, "
@@ -561,10 +573,46 @@ def _llama_cpp_one(cfg: dict) -> dict:
                          "(hs-bench synth --layout llama.cpp)") from None
     load_s = time.perf_counter() - t0
     runner.once()  # warm-up
-    runs = [runner.once() for _ in range(cfg.get("reps", 1))]
+    runs = _reps_with_bandwidth(runner.once, cfg)
     return {"decode_tok_s": statistics.median(r["decode_tok_s"] for r in runs),
             "prefill_tok_s": statistics.median(r["prefill_tok_s"] for r in runs),
             "load_s": round(load_s, 1), "generated": cfg["n_predict"], "prompt_tokens": len(runner.prompt), "reps": runs}
+
+
+def _reps_with_bandwidth(once, cfg: dict) -> list[dict]:
+    """`cfg["reps"]` timed runs of `once()`, with the CPU's read bandwidth measured before the first and
+    after each (unless cfg["fixed_bandwidth"]): each run's "cpu_bw_gib_s" is the mean of the two around it.
+    The GPU machine's hosts share their memory with neighbours: an idle H100 host read 54 to 112 GiB/s
+    from one second to the next (bench-results/cpu-bandwidth-series-h100-session32.txt), so a roofline
+    drawn from one figure at the start said as much about the neighbours as about the engine."""
+    track = not cfg.get("fixed_bandwidth") and cfg.get("cpu_bw", 0) > 0
+    bws = [measure_bandwidth_gib_s("cpu")] if track else []
+    runs = []
+    for _ in range(cfg.get("reps", 1)):
+        runs.append(once())
+        if track:
+            bws.append(measure_bandwidth_gib_s("cpu"))
+            runs[-1]["cpu_bw_gib_s"] = round((bws[-2] + bws[-1]) / 2, 1)
+    return runs
+
+
+def _bound_fields(runs: list[dict], bound_s, start_bw: float) -> dict:
+    """The roofline of a configuration's runs: each run against the bound at the CPU bandwidth measured
+    around it (the median of the fractions), and against the one measured at the start."""
+    at_start = bound_s(start_bw)
+    out = {"bound_tok_s_start_bw": 1 / at_start,
+           "fraction_of_bound_start_bw": statistics.median(r["decode_tok_s"] for r in runs) * at_start}
+    each = [bound_s(r["cpu_bw_gib_s"]) if "cpu_bw_gib_s" in r else at_start for r in runs]
+    out["bound_tok_s"] = 1 / statistics.median(each)
+    out["fraction_of_bound"] = statistics.median(r["decode_tok_s"] * b for r, b in zip(runs, each))
+    return out
+
+
+def _split_bound_s(split: dict, cpu_bw_gib_s: float) -> float:
+    """The dense split's roofline (no overlap: the devices' times add) at another CPU bandwidth: its bound at
+    the start figure with the CPU's bytes re-timed."""
+    return 1 / split["bound_tok_s_start_bw"] + split["cpu_bytes_per_token"] * (
+        1 / (cpu_bw_gib_s * 2**30) - 1 / (split["cpu_bw"] * 2**30))
 
 
 SYNC_S = 37e-6  # one device->host plus one host->device hand-over of the hidden state (HARDWARE.md: 17 + 20 us)
@@ -983,7 +1031,7 @@ def _scenario(args) -> int:
             n = args.n_predict or sc["n"]
             rc = _hybrid(_hybrid_args(str(path), threads, sc["budgets"], n, 64, args.reps, "predictor",
                                       not sc["cpu_only"], args.timeout, json_path,
-                                      scenario=f"{args.name}: {sc['what']}"))
+                                      scenario=f"{args.name}: {sc['what']}", fixed_bandwidth=args.fixed_bandwidth))
             if rc:
                 return rc
     finally:
@@ -1014,6 +1062,10 @@ def add_hybrid_bench_args(p) -> None:
     p.add_argument("--llama-cpp-model", help="with --llama-cpp: the file llama.cpp runs (default: the model's own), "
                    "e.g. the llama.cpp-layout twin of a PowerInfer file (hs-bench synth writes either from one seed)")
     p.add_argument("--timeout", type=float, default=600, help="seconds per configuration")
+    p.add_argument("--fixed-bandwidth", action="store_true",
+                   help="draw every roofline from the CPU bandwidth measured at the start (default: also measure "
+                        "it around each timed run, in the run's process, and set each run against its own: hosts "
+                        "whose neighbours share the memory read from one second to the next up to 2x apart)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -1101,6 +1153,8 @@ def build_parser() -> argparse.ArgumentParser:
     scen.add_argument("--reps", type=int, default=1)
     scen.add_argument("--timeout", type=float, default=540, help="seconds per configuration")
     scen.add_argument("--verbose", action="store_true")
+    scen.add_argument("--fixed-bandwidth", action="store_true",
+                      help="rooflines from the CPU bandwidth measured at the start only (default: also around each run)")
     scen.set_defaults(func=_scenario)
     from .bench_serve import add_parser as add_serve
     add_serve(sub, default_threads())

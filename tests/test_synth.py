@@ -5,6 +5,7 @@ the roofline's arithmetic on a hand-checked case; bad input is one clear error."
 from __future__ import annotations
 
 import random
+import statistics
 
 import numpy as np
 import pytest
@@ -189,6 +190,19 @@ def test_hybrid_benchmark_cpu_only_runs_both_engines_side_by_side(tmp_path):
     assert not any("peak_device_bytes" in r for r in runs)
     assert runs[0]["speedup_vs_layer_split"] == pytest.approx(runs[0]["decode_tok_s"] / runs[1]["decode_tok_s"])
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # each timed run's roofline is drawn at the CPU bandwidth measured around it; the dense split's, re-timed
+    # from its bound at the start figure, is what its own roofline gives at that bandwidth
+    split = runs[1]
+    assert all(x["cpu_bw_gib_s"] > 0 for r in runs for x in r["reps"])
+    assert split["fraction_of_bound"] == pytest.approx(statistics.median(
+        x["decode_tok_s"] * bench._split_bound_s(split, x["cpu_bw_gib_s"]) for x in split["reps"]))
+    assert bench._split_bound_s(split, split["cpu_bw"]) == pytest.approx(1 / split["bound_tok_s_start_bw"])
+    fixed = tmp_path / "f.json"  # --fixed-bandwidth: the start figure only, as before session 32
+    assert bench.main(["hybrid", "-m", str(model), "-t", "1", "--budgets", "", "--prompt-tokens", "4", "-n", "4",
+                       "-c", "16", "--fixed-bandwidth", "--json", str(fixed)]) == 0
+    for r in json.loads(fixed.read_text())["runs"]:
+        assert not any("cpu_bw_gib_s" in x for x in r["reps"])
+        assert r["fraction_of_bound"] == pytest.approx(r["fraction_of_bound_start_bw"])
 
 
 def test_hybrid_benchmark_runs_llama_cpp_beside_the_dense_engine(tmp_path):
@@ -210,8 +224,8 @@ def test_hybrid_benchmark_runs_llama_cpp_beside_the_dense_engine(tmp_path):
     hybrid, split, llama = runs
     assert llama["model"] == str(twin) and split["model"] == str(model)
     if have:
-        assert llama["decode_tok_s"] > 0 and llama["fraction_of_bound"] == pytest.approx(
-            llama["decode_tok_s"] / split["bound_tok_s"])
+        assert llama["decode_tok_s"] > 0 and llama["fraction_of_bound"] == pytest.approx(statistics.median(
+            x["decode_tok_s"] * bench._split_bound_s(split, x["cpu_bw_gib_s"]) for x in llama["reps"]))
         assert hybrid["speedup_vs_llama_cpp"] == pytest.approx(hybrid["decode_tok_s"] / llama["decode_tok_s"])
         assert "(%.2fx llama.cpp)" % hybrid["speedup_vs_llama_cpp"] in bench.hybrid_table(json.loads(out.read_text()))
         assert bench.main(args) == 1  # llama.cpp cannot read the PowerInfer file itself
@@ -261,6 +275,9 @@ def test_scenario_table_goes_into_the_readme(tmp_path):
     assert "old" not in text and "11.00x" in text and text.startswith("intro\n") and text.endswith("rest\n")
     run["machine"]["settings"] = {"HS_HANDOVER": "poll"}  # a switch in force is part of the row
     assert "| G + 16-thread CPU (HS_HANDOVER=poll) |" in bench.scenario_table([run])
+    run["runs"][0]["reps"] = [{"cpu_bw_gib_s": 61.4}, {"cpu_bw_gib_s": 97.6}]  # measured around the timed runs
+    run["runs"][1]["reps"] = [{"cpu_bw_gib_s": 55.2}]
+    assert "| 83.1 (55-98 around the runs) | 16 |" in bench.scenario_table([run])
 
 
 def test_machine_records_runtime_switches_not_tool_variables(monkeypatch):
