@@ -22,9 +22,14 @@
 namespace hs {
 namespace {
 
-void check_weight(const at::Tensor& w, int64_t qtype, int64_t K, const char* op) {
+void check_weight(const at::Tensor& w, int64_t qtype, int64_t K, const char* op, bool row_pitch = false) {
   HS_CHECK(w.device().is_cpu(), op, ": weight must be on the CPU");
-  HS_CHECK(w.dim() == 2 && w.is_contiguous(), op, ": weight must be a contiguous 2-D tensor");
+  if (row_pitch) {  // rows may lie further apart than their length (views of a neuron-bundled tensor)
+    HS_CHECK(w.dim() == 2 && w.stride(1) == 1 && w.stride(0) >= w.size(1), op,
+             ": weight must be a 2-D tensor of contiguous rows");
+  } else {
+    HS_CHECK(w.dim() == 2 && w.is_contiguous(), op, ": weight must be a contiguous 2-D tensor");
+  }
   const int be = block_elems(qtype), bb = block_bytes(qtype);
   HS_CHECK(bb > 0 && qtype != F32, op, ": unsupported weight type id ", qtype);
   if (qtype == F16 || qtype == BF16) {
@@ -907,15 +912,15 @@ bool sparse_ffn_fused_cpu(const at::Tensor& x, const at::Tensor& up, int64_t up_
   if (!(x.size(0) == 1 && !masked && ask_next)) group_next = nullptr;
   HS_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(), "sparse_ffn: x must be contiguous float32");
   const int64_t T = x.size(0), K = x.size(1);
-  check_weight(up, up_type, K, "sparse_ffn");
-  if (gated) check_weight(*gate, gate_type, K, "sparse_ffn");
+  check_weight(up, up_type, K, "sparse_ffn", true);
+  if (gated) check_weight(*gate, gate_type, K, "sparse_ffn", true);
   const int64_t M = check_rows(idx, up.size(0), "sparse_ffn");
   if (masked)
     HS_CHECK(mask->scalar_type() == at::kBool && mask->dim() == 2 && mask->size(0) == T && mask->size(1) == M &&
                  mask->is_contiguous(), "sparse_ffn: the per-token mask must be a contiguous bool [", T, ", ", M, "]");
   const int dbe = block_elems(down_type), dbb = block_bytes(down_type);
   const int64_t drow = down_t.size(1) * down_t.element_size(), D = drow / dbb * dbe;
-  check_weight(down_t, down_type, D, "sparse_ffn");
+  check_weight(down_t, down_type, D, "sparse_ffn", true);
   HS_CHECK(down_t.size(0) == up.size(0), "sparse_ffn: ffn_down_t has ", down_t.size(0), " rows, up has ",
            up.size(0));
   const bool has_bias = up_bias.has_value() && up_bias->defined();
@@ -951,6 +956,9 @@ bool sparse_ffn_fused_cpu(const at::Tensor& x, const at::Tensor& up, int64_t up_
   const DotRowsQ4G wide1 = act4.empty() ? nullptr : pick_dot_rows_q4g(1);
 #endif
   const int64_t rb = up.size(1) * up.element_size();
+  // rows pitch apart: the tensors' own rows, or views of one neuron-bundled tensor (gate | up | down a row)
+  const int64_t up_pitch = up.stride(0) * up.element_size(), down_pitch = down_t.stride(0) * down_t.element_size();
+  const int64_t gate_pitch = gated ? gate->stride(0) * gate->element_size() : 0;
   const uint8_t* upp = static_cast<const uint8_t*>(up.data_ptr());
   const uint8_t* gp = gated ? static_cast<const uint8_t*>(gate->data_ptr()) : nullptr;
   const uint8_t* dp = static_cast<const uint8_t*>(down_t.data_ptr());
@@ -995,7 +1003,7 @@ bool sparse_ffn_fused_cpu(const at::Tensor& x, const at::Tensor& up, int64_t up_
     };
     // one token: neuron r's down row queued for the grouped axpy
     const auto queue_down = [&](int64_t r, float h) {
-      rows[n_group] = dp + r * drow;
+      rows[n_group] = dp + r * down_pitch;
       if (pf) prefetch_bytes(reinterpret_cast<const char*>(rows[n_group]), drow, pf);
       sc[n_group++] = h;
       if (group_next) {
@@ -1031,16 +1039,16 @@ bool sparse_ffn_fused_cpu(const at::Tensor& x, const at::Tensor& up, int64_t up_
         for (; k + side_by_side <= r1; k += side_by_side) {
           for (int j = 0; j < side_by_side; ++j) {
             const int64_t r = ip[k + j];
-            rws[j * per] = upp + r * rb;
-            if (gated) rws[j * per + 1] = gp + r * rb;
+            rws[j * per] = upp + r * up_pitch;
+            if (gated) rws[j * per + 1] = gp + r * gate_pitch;
           }
           const int64_t dist = ahead_groups * side_by_side;
           const int ask = ask_next && k + dist + side_by_side <= r1;
           if (ask) {  // the rows of the group `ahead_groups` after this one
             for (int j = 0; j < side_by_side; ++j) {
               const int64_t r = ip[k + dist + j];
-              rws[n + j * per] = upp + r * rb;
-              if (gated) rws[n + j * per + 1] = gp + r * rb;
+              rws[n + j * per] = upp + r * up_pitch;
+              if (gated) rws[n + j * per + 1] = gp + r * gate_pitch;
             }
           }
           if (f16) dots[ask](rws, xp, K, val);
@@ -1070,15 +1078,15 @@ bool sparse_ffn_fused_cpu(const at::Tensor& x, const at::Tensor& up, int64_t up_
       const bool by_tokens = T > 1 && pick_axpy_tokens(down_type, 1);
       for (; k < r1; ++k) {
         const int64_t r = ip[k];
-        const uint8_t* ur = upp + r * rb;
-        const uint8_t* gr = gated ? gp + r * rb : nullptr;
+        const uint8_t* ur = upp + r * up_pitch;
+        const uint8_t* gr = gated ? gp + r * gate_pitch : nullptr;
         if (by_tokens) {
           if (nq == 0) k0 = k;
-          qrows[nq++] = dp + r * drow;
+          qrows[nq++] = dp + r * down_pitch;
         }
         if (pf && k + 1 < r1) {  // HS_PREFETCH: the next neuron's rows, where no hardware prefetcher looks
-          prefetch_bytes(reinterpret_cast<const char*>(upp + ip[k + 1] * rb), rb, pf);
-          if (gated) prefetch_bytes(reinterpret_cast<const char*>(gp + ip[k + 1] * rb), rb, pf);
+          prefetch_bytes(reinterpret_cast<const char*>(upp + ip[k + 1] * up_pitch), rb, pf);
+          if (gated) prefetch_bytes(reinterpret_cast<const char*>(gp + ip[k + 1] * gate_pitch), rb, pf);
         }
         // each listed row is read once; only the tokens that need the neuron compute with it
         for (int64_t t = 0; t < T; ++t) {
@@ -1102,7 +1110,7 @@ bool sparse_ffn_fused_cpu(const at::Tensor& x, const at::Tensor& up, int64_t up_
           hp[t * M + k] = h;
           if (h == 0.f) continue;  // a ReLU neuron that did not fire costs no down row
           if (by_tokens) ++fired;
-          else if (T > 1) direct(h, dp + r * drow, acc + t * D, D);  // several tokens: straight into that token's sum
+          else if (T > 1) direct(h, dp + r * down_pitch, acc + t * D, D);  // several tokens: straight into that token's sum
           else queue_down(r, h);
         }
         if (nq == TOKEN_AXPY_ROWS) flush_tokens();

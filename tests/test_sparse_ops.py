@@ -156,6 +156,39 @@ def test_sparse_ffn_rows_side_by_side(rows, qtype, activation, gated, act_on_up,
     torch.testing.assert_close(y, y_ref, rtol=tol, atol=10 * tol * max(1.0, y_ref.abs().max().item()))
 
 
+@pytest.mark.parametrize("qtype", [Q.F16, Q.Q8_0, Q.Q4_0])
+@pytest.mark.parametrize("gated", [True, False])
+def test_sparse_ffn_reads_rows_pitch_apart(qtype, gated):
+    """The decode FFN takes its weights as views of one bundled tensor (a neuron's gate | up | down_t rows side
+    by side, rows further apart than their length: tests/gpu/bundle_rows_bench.py) and gives the sums of the
+    separate tensors bit for bit (one thread); rows that are not contiguous themselves are refused by name."""
+    d, n_ff = 96, 203
+    parts = [random_rows(qtype, n_ff, d, seed=s) for s in range(3 if gated else 2)]
+    bundle = torch.cat(parts, 1)
+    w = parts[0].shape[1]
+    views = [bundle[:, i * w:(i + 1) * w] for i in range(len(parts))]
+    assert not views[0].is_contiguous()
+    idx = torch.randperm(n_ff, generator=torch.Generator().manual_seed(4))[:91].sort().values.int()
+    x = torch.randn(1, d, generator=torch.Generator().manual_seed(11))
+    bias = None if gated else torch.randn(n_ff) * 0.1
+
+    def ffn(ws):
+        gate, up, down = (ws[0], ws[1], ws[2]) if gated else (None, ws[0], ws[1])
+        return kernels.cpu.sparse_ffn(x, up, int(qtype), gate, int(qtype) if gated else 0, down, int(qtype), idx,
+                                      bias, 1, False)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        (y, h), (y_ref, h_ref) = ffn(views), ffn(parts)
+        assert torch.equal(h, h_ref) and torch.equal(y, y_ref) and bool((h != 0).any())
+        strided = torch.stack([parts[-1], parts[-1]], 2).flatten(1)[:, ::2]  # each row's elements 2 apart
+        assert torch.equal(strided, parts[-1])
+        with pytest.raises(RuntimeError, match="sparse_ffn: weight must be a 2-D tensor of contiguous rows"):
+            ffn(views[:-1] + [strided])
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("chunk", ["0", "1", "3", "16", "64"])
 @pytest.mark.parametrize("rows", ["1", "4", "8"])
 @pytest.mark.parametrize("n_threads", [1, 2, 4])

@@ -42,6 +42,8 @@
 #   pollab: S5's CPU-only sparse decode (16 threads, HS_POLL_T) through hs-run and through hs-bench's child process
 #   alone and beside another process reading NVML every HS_POLL_PERIODS seconds (the parent's peak-memory poll),
 #   HS_POLL_ROUNDS times
+#   bundle: the fused sparse FFN over a neuron's rows bundled side by side (views of one gate | up | down_t tensor) against
+#   the three tensors of today's files, alternating: 70B Q4_0 and 13B F16 rows, 1 and 16 threads (tests/gpu/bundle_rows_bench.py)
 # The GPU machine cannot download: the wheels it lacks (gguf, pulp) travel in .whl/ (git-ignored), which the
 # device tool's call must carry (carry: [".whl"]); without them nothing below imports.
 set -uo pipefail
@@ -331,6 +333,11 @@ for r in ${HS_S5_ROUNDS:-1 2}; do
       2>&1 >/dev/null | grep " eval time" | tee -a "$OUT/s5-chunk.txt"
   done
 done
+fi
+if [[ $STAGES == *,bundle,* ]]; then  # whether a bundled FFN layout would pay on this CPU
+( BR_TYPE=Q4_0 BR_SHAPE=70b BR_THREADS=1,16 BR_DENSITIES=0.03,0.1 timeout 150 python3 tests/gpu/bundle_rows_bench.py
+  BR_TYPE=F16 BR_SHAPE=13b BR_THREADS=16 BR_DENSITIES=0.03,0.1 timeout 120 python3 tests/gpu/bundle_rows_bench.py ) 2>&1 \
+  | tee "$OUT/bundle-rows.txt"
 fi
 if [[ $STAGES == *,s5run,* ]]; then  # S5's model through hs-run, CPU-only sparse vs dense (-ngl 0), alternating
 write_s5_model
