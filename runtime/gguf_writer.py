@@ -8,6 +8,7 @@ renamed over `<out>` only when the last byte is written: an error or Ctrl-C leav
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,6 +88,21 @@ def copy_metadata(writer: gguf.GGUFWriter, source, skip: Iterable[str] = ()) -> 
         writer.add_key_value(key, value, GGUFValueType(vtype), None if etype is None else GGUFValueType(etype))
 
 
+def ensure_room(path: Path, need: int, doing: str, advice: str = "", error: type[Exception] = GGUFError) -> None:
+    """Refuse, before anything is written, a file of `need` bytes at `path` that its disk has no room for
+    (a disk filled to the last byte by a half-written model helps nobody): one line naming the file, the
+    GiB needed and free, and `advice`."""
+    try:
+        free = shutil.disk_usage(path.parent).free
+    except FileNotFoundError:
+        raise error(f"{path.parent}: no such folder to write {path.name} into") from None
+    except OSError as e:
+        raise error(f"{path.parent}: cannot see its free space for {path.name} ({e.strerror or e})") from None
+    if free < need:
+        raise error(f"{path}: {doing} needs {need / 2**30:.1f} GiB on that disk and {free / 2**30:.1f} GiB are "
+                    f"free; free space there{advice}")
+
+
 def write_gguf_stream(path: str | os.PathLike, arch: str, metadata: Callable[[gguf.GGUFWriter], None],
                       tensors: list[PlannedTensor], powerinfer: bool = False, desc: str | None = None) -> Path:
     """Write `tensors` (in order) after the metadata that `metadata(writer)` adds; PowerInfer's `PWRI`
@@ -99,6 +115,8 @@ def write_gguf_stream(path: str | os.PathLike, arch: str, metadata: Callable[[gg
         if t.name in names:
             raise GGUFError(f"{path}: tensor {t.name} would be written twice")
         names.add(t.name)
+    ensure_room(path, sum(t.nbytes for t in tensors) + (1 << 20), "writing it")  # + header and alignment
+    writer = None
     try:
         writer = gguf.GGUFWriter(str(tmp), arch)
         metadata(writer)
@@ -123,10 +141,11 @@ def write_gguf_stream(path: str | os.PathLike, arch: str, metadata: Callable[[gg
             with open(tmp, "r+b") as fh:
                 fh.write(b"PWRI")
         os.replace(tmp, path)
-    except BaseException:
-        try:
-            tmp.unlink()
-        except FileNotFoundError:
-            pass
+    except BaseException as e:
+        if writer is not None:
+            writer.close()  # (an open handle would keep the deleted copy's blocks in use)
+        tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError) and not isinstance(e, FileNotFoundError):  # disk full, not writable: name the file
+            raise GGUFError(f"{path}: cannot write it ({e.strerror or e})") from None
         raise
     return path

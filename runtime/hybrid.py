@@ -766,6 +766,7 @@ def transposed_down(gguf, n_layers: int, progress=None, down_t_type: str = DEFAU
     from hybridsparse.solver.gpuidx import model_fingerprint
 
     from .gguf_file import GGUFFile
+    from .gguf_writer import ensure_room
     from .quantize import quantize_rows
 
     path = down_t_cache_path(Path(gguf.path), down_t_type)
@@ -788,33 +789,45 @@ def transposed_down(gguf, n_layers: int, progress=None, down_t_type: str = DEFAU
     for i, info in enumerate(infos):
         if info is None:
             raise ModelError(f"{gguf.path}: tensor blk.{i}.ffn_down.weight is missing")
+    types = [_transposed_type(info.qtype, info.shape[1], down_t_type) for info in infos]
+    sizes = [info.shape[0] * info.shape[1] // gg.GGML_QUANT_SIZES[qt][0] * gg.GGML_QUANT_SIZES[qt][1]
+             for info, qt in zip(infos, types)]
+    need = sum(sizes) + (1 << 20)  # the tensors, header and alignment
     tmp = path.with_name(path.name + ".part")
-    w = gg.GGUFWriter(str(tmp), "hybridsparse.down_t")
-    w.add_string("hybridsparse.model_fingerprint", fp)
-    types = []
-    for i, info in enumerate(infos):
-        d_model, n_ff = info.shape[1], info.shape[0]
-        qt = _transposed_type(info.qtype, d_model, down_t_type)
-        types.append(qt)
-        block, size = gg.GGML_QUANT_SIZES[qt]
-        w.add_tensor_info(f"blk.{i}.ffn_down_t.weight", (n_ff, d_model), np.dtype(np.float32),
-                          n_ff * d_model // block * size, raw_dtype=qt)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_ti_data_to_file()
-    it = range(n_layers) if progress is None else progress(range(n_layers))
-    for i in it:
-        info, qt = infos[i], types[i]
-        dense = dequantize(gguf.raw(info.name), info.qtype).float().T.contiguous().numpy()
-        if qt == Q.F32:
-            data = dense
-        elif qt == Q.F16:
-            data = dense.astype(np.float16)
-        else:  # the rows over the -t threads (same bytes as one quants.quantize call)
-            data = quantize_rows(dense, qt, threads=torch.get_num_threads())
-        w.write_tensor_data(np.ascontiguousarray(data))
-    w.close()
-    tmp.replace(path)
+    tmp.unlink(missing_ok=True)  # a copy cut short by an earlier run
+    ensure_room(path, need, "transposing ffn_down once",
+                (" or use --down-t-type q8_0 (half the F16 copy's size)" if down_t_type == "f16" else "")
+                + ", or convert the model to PowerInfer's layout, which stores ffn_down_t", error=ModelError)
+    w = None
+    try:
+        w = gg.GGUFWriter(str(tmp), "hybridsparse.down_t")
+        w.add_string("hybridsparse.model_fingerprint", fp)
+        for i, (info, qt, size) in enumerate(zip(infos, types, sizes)):
+            w.add_tensor_info(f"blk.{i}.ffn_down_t.weight", (info.shape[0], info.shape[1]), np.dtype(np.float32),
+                              size, raw_dtype=qt)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        it = range(n_layers) if progress is None else progress(range(n_layers))
+        for i in it:
+            info, qt = infos[i], types[i]
+            dense = dequantize(gguf.raw(info.name), info.qtype).float().T.contiguous().numpy()
+            if qt == Q.F32:
+                data = dense
+            elif qt == Q.F16:
+                data = dense.astype(np.float16)
+            else:  # the rows over the -t threads (same bytes as one quants.quantize call)
+                data = quantize_rows(dense, qt, threads=torch.get_num_threads())
+            w.write_tensor_data(np.ascontiguousarray(data))
+        w.close()
+        tmp.replace(path)
+    except BaseException as e:  # interrupted, disk full, not writable: no half-written copy left behind
+        if w is not None:
+            w.close()  # (an open handle would keep a deleted copy's blocks in use)
+        tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError):
+            raise ModelError(f"{path}: cannot write the transposed ffn_down ({e.strerror or e})") from None
+        raise
     cache = GGUFFile(path)
     return [_qweight(cache, f"blk.{i}.ffn_down_t.weight") for i in range(n_layers)]
 

@@ -5,7 +5,9 @@ is exact too; the transposed-down cache is built once; bad input is one clear er
 
 from __future__ import annotations
 
+import errno
 import os
+import re
 import subprocess
 import sys
 
@@ -14,7 +16,7 @@ import pytest
 import torch
 
 from hybridsparse.runtime import hybrid, kernels
-from hybridsparse.runtime.errors import InputError
+from hybridsparse.runtime.errors import InputError, ModelError
 from hybridsparse.runtime.gguf_file import GGUFFile
 from hybridsparse.solver import plan
 from hybridsparse.runtime.hybrid import HybridFFN, HybridOptions, down_t_cache_path, setup_hybrid
@@ -252,6 +254,54 @@ def test_transposed_down_is_cached_once(tmp_path):
     model = load_model(GGUFFile(path))
     setup_hybrid(model, path, HybridOptions(mode="dense", vram_budget=0), log_line=lambda *_: None)
     assert GGUFFile(cache).tensors
+
+
+def test_transposed_down_refuses_a_full_disk_and_leaves_nothing_half_written(tmp_path, monkeypatch):
+    """Transposing a llama.cpp file's ffn_down needs room beside the model: too little free space is refused
+    before anything is written, naming the file, the GiB needed and free; a write that fails midway (the
+    disk filling under it) or is interrupted leaves no .part copy and reports the path in one line; a .part
+    left by a run that was killed is replaced, and the next run makes the copy."""
+    import shutil
+    from hybridsparse.runtime import quantize
+    from hybridsparse.runtime.synth import write_synth
+    path = write_synth(tmp_path, "tiny", "q4_0", "llama.cpp", predictor_width=64)
+    cache = down_t_cache_path(path)
+    part = cache.with_name(cache.name + ".part")
+
+    def setup():
+        setup_hybrid(load_model(GGUFFile(path)), path, HybridOptions(mode="oracle", vram_budget=0),
+                     log_line=lambda *_: None)
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=1 << 19))
+    with pytest.raises(ModelError, match=rf"{re.escape(str(cache))}: transposing ffn_down once needs 0.0 GiB on "
+                                         r"that disk and 0.0 GiB are free; free space there"):
+        setup()
+    assert not cache.exists() and not part.exists()
+    monkeypatch.setattr(shutil, "disk_usage", real)
+    calls = []
+
+    def full(*a, **k):  # the disk fills after the first layer's rows
+        calls.append(1)
+        if len(calls) > 1:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_rows(*a, **k)
+    real_rows = quantize.quantize_rows
+    monkeypatch.setattr(quantize, "quantize_rows", full)
+    with pytest.raises(ModelError, match=rf"^{re.escape(str(cache))}: cannot write the transposed ffn_down "
+                                         r"\(No space left on device\)$"):
+        setup()
+    assert len(calls) == 2 and not cache.exists() and not part.exists()
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(quantize, "quantize_rows", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        setup()
+    assert not part.exists()
+    monkeypatch.setattr(quantize, "quantize_rows", real_rows)
+    part.write_bytes(b"left by a killed run")
+    setup()
+    assert cache.exists() and not part.exists() and GGUFFile(cache).tensors
 
 
 def test_down_t_type_of_a_quantized_llama_cpp_file(tmp_path, caplog):

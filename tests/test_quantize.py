@@ -103,9 +103,41 @@ def test_bad_inputs(powerinfer_f16, tmp_path, capsys):
     cut.write_bytes(powerinfer_f16.read_bytes()[:3000])
     _fails(capsys, [str(cut), str(out), "Q8_0"], "cut.gguf")
     _fails(capsys, [str(powerinfer_f16), str(out), "Q8_0", "-t", "0"], "-t 0")
+    _fails(capsys, [str(powerinfer_f16), str(tmp_path / "nope" / "out.gguf"), "Q8_0"], "nope: no such folder")
     assert not out.exists() and not list(tmp_path.glob("*.part"))
     assert hq.main([str(q8), str(out), "Q4_0", "--allow-requantize"]) == 0
     assert GGUFFile(out).tensors["blk.0.ffn_up.weight"].qtype == Q.Q4_0
+
+
+def test_a_disk_without_room_is_refused_and_a_failed_write_leaves_nothing(powerinfer_f16, tmp_path, capsys,
+                                                                          monkeypatch):
+    """An output its disk has no room for is refused before a byte is written (naming it, the GiB needed and
+    free); a write that fails midway (the disk filling under it) names the file in one line and leaves neither
+    the output nor a .part behind."""
+    import errno
+    import shutil
+
+    from hybridsparse.runtime import gguf_writer
+    out = tmp_path / "out.gguf"
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=1000))
+    _fails(capsys, [str(powerinfer_f16), str(out), "Q8_0"], f"{out}: writing it needs", "GiB are free; free space there")
+    assert not out.exists() and not list(tmp_path.glob("*.part"))
+    monkeypatch.setattr(shutil, "disk_usage", real)
+    done = []
+
+    class Full(gguf_writer.gguf.GGUFWriter):
+        def write_tensor_data(self, tensor, *a, **k):
+            if done:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            done.append(1)
+            return super().write_tensor_data(tensor, *a, **k)
+    monkeypatch.setattr(gguf_writer.gguf, "GGUFWriter", Full)
+    capsys.readouterr()
+    assert hq.main([str(powerinfer_f16), str(out), "Q8_0"]) != 0
+    err = [line for line in capsys.readouterr().err.replace("\r", "\n").splitlines() if "%|" not in line and line.strip()]
+    assert err == [f"hs-quantize: error: {out}: cannot write it (No space left on device)"], err  # (the bar aside)
+    assert done and not out.exists() and not list(tmp_path.glob("*.part"))
 
 
 def test_trained_relu_model_keeps_its_perplexity(trained_relu, tmp_path, threads):
