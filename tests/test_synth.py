@@ -175,7 +175,7 @@ def test_run_benchmark_takes_the_kv_cache_type(tmp_path):
         assert json.loads(out.read_text())["kv_cache_cpu"] == expect
 
 
-def test_hybrid_benchmark_cpu_only_runs_both_engines_side_by_side(tmp_path):
+def test_hybrid_benchmark_cpu_only_runs_both_engines_side_by_side(tmp_path, capsys):
     """`hs-bench hybrid` with no VRAM budget (all a machine without a GPU runs): the CPU-only sparse and
     dense runs, each in its own process, the ratio between them, the roofline, a plot, and no
     device-memory figures (nothing is on a GPU, so nothing polls the driver beside them)."""
@@ -194,6 +194,7 @@ def test_hybrid_benchmark_cpu_only_runs_both_engines_side_by_side(tmp_path):
     # from its bound at the start figure, is what its own roofline gives at that bandwidth
     split = runs[1]
     assert all(x["cpu_bw_gib_s"] > 0 for r in runs for x in r["reps"])
+    assert capsys.readouterr().err.count("GiB/s around the runs)") == 2  # each run's line says what it ran at
     assert split["fraction_of_bound"] == pytest.approx(statistics.median(
         x["decode_tok_s"] * bench._split_bound_s(split, x["cpu_bw_gib_s"]) for x in split["reps"]))
     assert bench._split_bound_s(split, split["cpu_bw"]) == pytest.approx(1 / split["bound_tok_s_start_bw"])
