@@ -75,6 +75,7 @@ int64_t cold_ffn_serve(const std::vector<int64_t>& handles, double timeout_s, bo
 void cold_ffn_free(int64_t handle);
 std::string cold_ffn_error();
 std::vector<int64_t> cold_ffn_stats();
+std::vector<int64_t> sparse_ffn_stats();
 void cold_ffn_set_threads(int64_t n);
 void pool_configure(int64_t spin_us, int64_t yield_us);
 void pool_rest();

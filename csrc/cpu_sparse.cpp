@@ -6,6 +6,7 @@
 // Returns (y [T, d_model], h [T, |S|]); h is what profiling and thresholds look at.
 #include <ATen/ATen.h>
 
+#include <atomic>
 #include <tuple>
 #include <vector>
 
@@ -48,20 +49,44 @@ static at::Tensor ffn_activations(const at::Tensor& x, const at::Tensor& up, int
   return gated ? gated_act_cpu(rows[0], u, act, act_on_up) : gated_act_cpu(u, at::ones_like(u), act, false);
 }
 
+// One token's listed neurons and those of them that fired (h != 0), with the bytes of the fired ones' rows (gate,
+// up, down): what an engine told exactly which neurons fire must read. Every one-token FFN over an index set
+// passes here (the hybrid's cold tasks, a CPU-only layer's sparse_ffn_block, the Python calls), so the benchmark
+// can set a run against the rows its own tokens needed rather than the profile's expectation (sparse_ffn_stats).
+static std::atomic<int64_t> one_token_calls{0}, one_token_listed{0}, one_token_fired{0}, one_token_fired_bytes{0};
+
+static void count_one_token(const at::Tensor& h, const at::Tensor& up, const c10::optional<at::Tensor>& gate,
+                            const at::Tensor& down_t) {
+  const float* hp = h.data_ptr<float>();
+  int64_t fired = 0;
+  for (int64_t k = 0; k < h.numel(); ++k) fired += hp[k] != 0.f;
+  const int64_t neuron = up.size(1) * up.element_size() + down_t.size(1) * down_t.element_size() +
+                         (gate.has_value() && gate->defined() ? gate->size(1) * gate->element_size() : 0);
+  ++one_token_calls;
+  one_token_listed += h.numel();
+  one_token_fired += fired;
+  one_token_fired_bytes += fired * neuron;
+}
+
+std::vector<int64_t> sparse_ffn_stats() {
+  return {one_token_calls.load(), one_token_listed.load(), one_token_fired.load(), one_token_fired_bytes.load()};
+}
+
 std::tuple<at::Tensor, at::Tensor> sparse_ffn_cpu(const at::Tensor& x, const at::Tensor& up, int64_t up_type,
                                                   const c10::optional<at::Tensor>& gate, int64_t gate_type,
                                                   const at::Tensor& down_t, int64_t down_type,
                                                   const c10::optional<at::Tensor>& idx,
                                                   const c10::optional<at::Tensor>& up_bias, int64_t act,
                                                   bool act_on_up) {
-  if (idx.has_value() && idx->defined()) {  // decoding: one fused pass per neuron (cpu_matmul.cpp)
-    at::Tensor y, h;
-    if (sparse_ffn_fused_cpu(x, up, up_type, gate, gate_type, down_t, down_type, *idx, up_bias, act, act_on_up, y, h,
-                             c10::nullopt))
-      return {y, h};
+  const bool listed = idx.has_value() && idx->defined();
+  at::Tensor y, h;
+  if (!(listed && sparse_ffn_fused_cpu(x, up, up_type, gate, gate_type, down_t, down_type, *idx, up_bias, act,
+                                       act_on_up, y, h, c10::nullopt))) {  // decoding: one fused pass per neuron
+    h = ffn_activations(x, up, up_type, gate, gate_type, idx, up_bias, act, act_on_up);
+    y = sparse_axpy_cpu(down_t, down_type, h, idx);
   }
-  at::Tensor h = ffn_activations(x, up, up_type, gate, gate_type, idx, up_bias, act, act_on_up);
-  return {sparse_axpy_cpu(down_t, down_type, h, idx), h};
+  if (listed && x.size(0) == 1) count_one_token(h, up, gate, down_t);
+  return {y, h};
 }
 
 // Several tokens over the union idx of their active sets, token t using only the neurons where

@@ -94,5 +94,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pool_selftest", &hs::pool_selftest, "tests: n pool tasks each add 2^tid to a sum (task throw_at throws)");
   m.def("pool_rest", &hs::pool_rest, "the cold FFN pool's idle threads sleep now (before CPU work on this thread)");
   m.def("pool_configure", &hs::pool_configure, "the cold FFN pool's idle threads: spin_us spinning (yielding after yield_us), then sleep");
+  m.def("sparse_ffn_stats", &hs::sparse_ffn_stats, "[one-token sparse FFN calls, neurons listed, neurons fired, bytes "
+        "of the fired neurons' rows] since the process started");
   m.def("cold_ffn_stats", &hs::cold_ffn_stats, "[task runs, nanoseconds inside them, neurons computed] since the process started");
 }

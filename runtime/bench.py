@@ -395,7 +395,7 @@ def _hybrid(args) -> int:
         split, llama = at_budget("layer split"), at_budget("llama.cpp")
         if run["engine"] == "llama.cpp" and split and "decode_tok_s" in run:
             # llama.cpp reads what our dense split reads: the same roofline, at the bandwidth around its runs
-            run.update(_bound_fields(run["reps"], lambda bw: _split_bound_s(split, bw), split["cpu_bw"]))
+            run.update(_bound_fields(run["reps"], lambda bw, _run: _split_bound_s(split, bw), split["cpu_bw"]))
         if run["engine"] == "hybrid" and "decode_tok_s" in run:
             if split:
                 run["speedup_vs_layer_split"] = run["decode_tok_s"] / split["decode_tok_s"]
@@ -530,12 +530,19 @@ def _hybrid_one(cfg: dict) -> dict:
     sampler = Sampler(SamplingParams(temperature=0))
     for _ in gen.generate(prompt, 4, sampler):  # warm-up (allocator, graphs)
         pass
+    from . import kernels
+    stats = kernels.cpu.sparse_ffn_stats if cfg["engine"] == "hybrid" and kernels.ops() is not None else None
+
     def once():
+        before = stats() if stats else None
         for _ in gen.generate(prompt, cfg["n_predict"], sampler):
             pass
         t = gen.timings
-        return {"decode_tok_s": max(t.gen_tokens - 1, 1) / t.gen_s, "prefill_tok_s": t.prompt_tokens / t.prompt_s,
-                "generated": t.gen_tokens}
+        run = {"decode_tok_s": max(t.gen_tokens - 1, 1) / t.gen_s, "prefill_tok_s": t.prompt_tokens / t.prompt_s,
+               "generated": t.gen_tokens}
+        if stats and t.gen_tokens > 1:  # the CPU's one-token FFN calls are the decode steps' (a prompt is batched)
+            run["cpu_fired_bytes_per_token"] = (stats()[3] - before[3]) / (t.gen_tokens - 1)
+        return run
 
     runs = _reps_with_bandwidth(once, cfg)
     generated = runs[-1]["generated"]
@@ -544,14 +551,27 @@ def _hybrid_one(cfg: dict) -> dict:
     out = {"decode_tok_s": statistics.median(r["decode_tok_s"] for r in runs),
            "prefill_tok_s": statistics.median(r["prefill_tok_s"] for r in runs),
            "load_s": round(load_s, 1), "generated": generated, "prompt_tokens": len(prompt), "reps": runs}
-    layers, head = _placement_bytes(lm, cfg)
+    cold = []  # the CPU's expected bytes of fired FFN rows per layer, from the profile's frequencies
+    layers, head = _placement_bytes(lm, cfg, cold)
+    expected = sum(cold)
 
-    def bound_s(cpu_bw_gib_s: float) -> float:
-        return roofline_seconds(layers, head, cfg["gpu_bw"] * 2**30, cpu_bw_gib_s * 2**30,
+    def scaled(run):  # the layers with the CPU's FFN rows those of the neurons the run's own tokens fired
+        r = run.get("cpu_fired_bytes_per_token") if run else None
+        if r is None or not expected:
+            return layers
+        return [(g, c + e * (r / expected - 1)) for (g, c), e in zip(layers, cold)]
+
+    def bound_s(cpu_bw_gib_s: float, run=None) -> float:
+        return roofline_seconds(scaled(run), head, cfg["gpu_bw"] * 2**30, cpu_bw_gib_s * 2**30,
                                 overlap=cfg["engine"] == "hybrid")
     out.update(gpu_bytes_per_token=sum(x[0] for x in layers) + head[0],
                cpu_bytes_per_token=sum(x[1] for x in layers) + head[1],
                **_bound_fields(runs, bound_s, cfg["cpu_bw"]))
+    if expected and all("cpu_fired_bytes_per_token" in r for r in runs):
+        measured = statistics.median(r["cpu_fired_bytes_per_token"] for r in runs)
+        out.update(cpu_ffn_bytes_expected=expected, cpu_ffn_bytes_fired=measured,
+                   cpu_bytes_per_token_profile=out["cpu_bytes_per_token"],
+                   cpu_bytes_per_token=out["cpu_bytes_per_token"] + measured - expected)
     if lm.hybrid_report:
         r = lm.hybrid_report
         out["placement"] = (f"attention {r['attn_fast']}/{lm.model.config.n_layers} layers, "
@@ -599,12 +619,13 @@ def _reps_with_bandwidth(once, cfg: dict) -> list[dict]:
 
 
 def _bound_fields(runs: list[dict], bound_s, start_bw: float) -> dict:
-    """The roofline of a configuration's runs: each run against the bound at the CPU bandwidth measured
-    around it (the median of the fractions), and against the one measured at the start."""
-    at_start = bound_s(start_bw)
+    """The roofline of a configuration's runs: each run against its own bound, bound_s(bandwidth, run): at the
+    CPU bandwidth measured around it and with the FFN rows its tokens fired (the median of the fractions); and
+    the older figure, bound_s(start bandwidth, None): the bandwidth at the start and the profile's rows."""
+    at_start = bound_s(start_bw, None)
     out = {"bound_tok_s_start_bw": 1 / at_start,
            "fraction_of_bound_start_bw": statistics.median(r["decode_tok_s"] for r in runs) * at_start}
-    each = [bound_s(r["cpu_bw_gib_s"]) if "cpu_bw_gib_s" in r else at_start for r in runs]
+    each = [bound_s(r.get("cpu_bw_gib_s", start_bw), r) for r in runs]
     out["bound_tok_s"] = 1 / statistics.median(each)
     out["fraction_of_bound"] = statistics.median(r["decode_tok_s"] * b for r, b in zip(runs, each))
     return out
@@ -639,13 +660,14 @@ def roofline_seconds(layers: list[tuple[float, float]], head: tuple[float, float
     return total
 
 
-def _placement_bytes(lm, cfg) -> tuple[list[tuple[float, float]], tuple[float, float]]:
+def _placement_bytes(lm, cfg, cold: list | None = None) -> tuple[list[tuple[float, float]], tuple[float, float]]:
     """Expected bytes each device reads per token, per layer (dense blocks whole, FFN neurons by their
     profile frequency when sparse) and for the head: ([(gpu, cpu)] per layer, (gpu, cpu) head).
     A dense FFN of a ReLU model with `ffn_down_t` reads the down row of a neuron only where it fired
     (the transposed down projection skips h = 0 on both devices): with a profile, those rows count
     by the layer's mean firing rate (counted whole, they had the dense split of S1 at 114% of a bound
-    drawn from bytes it never read)."""
+    drawn from bytes it never read). `cold`, where given, gets each layer's expected bytes of the FFN rows
+    the CPU reads for fired neurons (0 where its FFN is not sparse by the profile)."""
     from .hybrid import HybridFFN
     from .layers import FFN_VARIANTS
     model, g = lm.model, lm.gguf
@@ -665,7 +687,7 @@ def _placement_bytes(lm, cfg) -> tuple[list[tuple[float, float]], tuple[float, f
         gb = attn if dev == "cuda" else 0.0
         cb = attn if dev != "cuda" else 0.0
         f = layer.ffn
-        freq = None
+        freq, cold_ffn = None, 0.0
         if isinstance(f, HybridFFN):
             freq = f.freq if f.freq is not None else (freqs[i].float() if freqs is not None else None)
         if isinstance(f, HybridFFN) and f.mode != "dense" and freq is not None:
@@ -675,7 +697,8 @@ def _placement_bytes(lm, cfg) -> tuple[list[tuple[float, float]], tuple[float, f
                 hot[f._hot_on[torch.device("cpu")]] = True
             freq = freq.cpu()
             gb += float(freq[hot].sum()) * per * (f.fast is not None and f.fast.type == "cuda")
-            cb += float(freq[~hot].sum()) * per
+            cold_ffn = float(freq[~hot].sum()) * per
+            cb += cold_ffn
             pred = f.predictor.fc1.nbytes + f.predictor.fc2.nbytes
             gb, cb = (gb + pred, cb) if dev == "cuda" else (gb, cb + pred)
         elif isinstance(f, HybridFFN):
@@ -688,6 +711,8 @@ def _placement_bytes(lm, cfg) -> tuple[list[tuple[float, float]], tuple[float, f
                 ffn_bytes -= g.tensors[down].nbytes * (1.0 - float(freqs[i].float().mean()))
             gb, cb = (gb + ffn_bytes, cb) if dev == "cuda" else (gb, cb + ffn_bytes)
         layers.append((gb, cb))
+        if cold is not None:  # the CPU's share of those rows, for the benchmark to set against what a run fired
+            cold.append(cold_ffn)
     head = g.tensors.get("output.weight") or g.tensors["token_embd.weight"]
     return layers, ((head.nbytes, 0.0) if model.placement.head.type == "cuda" else (0.0, head.nbytes))
 

@@ -189,6 +189,26 @@ def test_sparse_ffn_reads_rows_pitch_apart(qtype, gated):
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("qtype", [Q.F16, Q.Q4_0])
+def test_one_token_ffn_counts_what_fired(qtype):
+    """sparse_ffn_stats: each one-token FFN over an index set adds its listed neurons, those that fired (h != 0)
+    and the bytes of the fired ones' gate, up and down rows (the benchmark's measured roofline); several tokens
+    or no index set add nothing."""
+    d, n_ff = 96, 203
+    up, gate, down_t = (random_rows(qtype, n_ff, d, seed=s) for s in (1, 2, 3))
+    idx = torch.randperm(n_ff, generator=torch.Generator().manual_seed(4))[:91].int()
+    x = torch.randn(2, d, generator=torch.Generator().manual_seed(11))
+    row = up.shape[1] * up.element_size()
+    before = kernels.cpu.sparse_ffn_stats()
+    _, h = kernels.cpu.sparse_ffn(x[:1], up, int(qtype), gate, int(qtype), down_t, int(qtype), idx, None, 1, False)
+    fired = int((h != 0).sum())
+    assert 0 < fired < idx.numel()  # ReLU: some listed neurons did not fire
+    kernels.cpu.sparse_ffn(x, up, int(qtype), gate, int(qtype), down_t, int(qtype), idx, None, 1, False)
+    kernels.cpu.sparse_ffn(x[:1], up, int(qtype), gate, int(qtype), down_t, int(qtype), None, None, 1, False)
+    after = kernels.cpu.sparse_ffn_stats()
+    assert [a - b for a, b in zip(after, before)] == [1, idx.numel(), fired, fired * 3 * row]
+
+
 @pytest.mark.parametrize("chunk", ["0", "1", "3", "16", "64"])
 @pytest.mark.parametrize("rows", ["1", "4", "8"])
 @pytest.mark.parametrize("n_threads", [1, 2, 4])

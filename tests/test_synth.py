@@ -201,9 +201,13 @@ def test_hybrid_benchmark_cpu_only_runs_both_engines_side_by_side(tmp_path, caps
     fixed = tmp_path / "f.json"  # --fixed-bandwidth: the start figure only, as before session 32
     assert bench.main(["hybrid", "-m", str(model), "-t", "1", "--budgets", "", "--prompt-tokens", "4", "-n", "4",
                        "-c", "16", "--fixed-bandwidth", "--json", str(fixed)]) == 0
-    for r in json.loads(fixed.read_text())["runs"]:
-        assert not any("cpu_bw_gib_s" in x for x in r["reps"])
-        assert r["fraction_of_bound"] == pytest.approx(r["fraction_of_bound_start_bw"])
+    hybrid, split = json.loads(fixed.read_text())["runs"]
+    assert not any("cpu_bw_gib_s" in x for r in (hybrid, split) for x in r["reps"])
+    assert split["fraction_of_bound"] == pytest.approx(split["fraction_of_bound_start_bw"])
+    # the hybrid's run is set against the rows its own tokens fired (the profile's expectation: the start figure's
+    # bound); the CPU-only bound is the CPU's bytes over its bandwidth, so the two fractions stand in their ratio
+    assert hybrid["fraction_of_bound"] / hybrid["fraction_of_bound_start_bw"] == pytest.approx(
+        hybrid["cpu_bytes_per_token"] / hybrid["cpu_bytes_per_token_profile"])
 
 
 def test_hybrid_benchmark_runs_llama_cpp_beside_the_dense_engine(tmp_path):
@@ -348,4 +352,11 @@ def test_hybrid_roofline_counts_the_rows_the_hybrid_reads(tmp_path):
         d_model = GGUFFile(model).tensors["blk.0.ffn_up.weight"].shape[0]
     active = sum(float(f.sum()) for f in profile.frequencies())  # expected neurons a token, all cold (CPU only)
     extra = active * (d_model // 32 * 34 - d_model // 32 * 18)
-    assert got["llama.cpp"]["cpu_bytes_per_token"] - got["powerinfer"]["cpu_bytes_per_token"] == pytest.approx(extra, rel=1e-6)
+    assert got["llama.cpp"]["cpu_bytes_per_token_profile"] - got["powerinfer"]["cpu_bytes_per_token_profile"] == \
+        pytest.approx(extra, rel=1e-6)
+    for layout, run in got.items():  # what the run's own token fired, in the rows of that layout
+        per = d_model // 32 * 18 * 2 + d_model // 32 * (34 if layout == "llama.cpp" else 18)
+        fired = run["cpu_ffn_bytes_fired"] / per
+        assert fired == int(fired) and 0 < fired <= profile.frequencies()[0].numel() * len(profile.frequencies())
+        assert run["cpu_bytes_per_token"] == pytest.approx(run["cpu_bytes_per_token_profile"] - run["cpu_ffn_bytes_expected"]
+                                                           + run["cpu_ffn_bytes_fired"])
