@@ -417,6 +417,8 @@ def _hybrid_row(r: dict) -> str:
     peak = f", peak {r['peak_device_bytes'] / 2**30:.2f} GiB" if "peak_device_bytes" in r else ""
     around = [x["cpu_bw_gib_s"] for x in r.get("reps", []) if "cpu_bw_gib_s" in x]
     bw = f" (CPU {min(around):.0f}-{max(around):.0f} GiB/s around the runs)" if around else ""
+    if r.get("cpu_ffn_bytes_expected"):  # the CPU's FFN rows the tokens fired against the profile's expectation
+        bw += f", cold rows fired {r['cpu_ffn_bytes_fired'] / r['cpu_ffn_bytes_expected']:.2f}x the profile's"
     return (f"{r['engine']:12s} {r['vram_budget']:5.1f} GiB: decode {r['decode_tok_s']:.2f} tok/s, "
             f"{100 * r.get('fraction_of_bound', 0):.0f}% of bound{bw}{peak}")
 

@@ -194,7 +194,10 @@ def test_hybrid_benchmark_cpu_only_runs_both_engines_side_by_side(tmp_path, caps
     # from its bound at the start figure, is what its own roofline gives at that bandwidth
     split = runs[1]
     assert all(x["cpu_bw_gib_s"] > 0 for r in runs for x in r["reps"])
-    assert capsys.readouterr().err.count("GiB/s around the runs)") == 2  # each run's line says what it ran at
+    err = capsys.readouterr().err
+    assert err.count("GiB/s around the runs)") == 2  # each run's line says what it ran at
+    fired = runs[0]["cpu_ffn_bytes_fired"] / runs[0]["cpu_ffn_bytes_expected"]
+    assert f"cold rows fired {fired:.2f}x the profile's" in err  # and the sparse one what its tokens fired
     assert split["fraction_of_bound"] == pytest.approx(statistics.median(
         x["decode_tok_s"] * bench._split_bound_s(split, x["cpu_bw_gib_s"]) for x in split["reps"]))
     assert bench._split_bound_s(split, split["cpu_bw"]) == pytest.approx(1 / split["bound_tok_s_start_bw"])
