@@ -7,9 +7,10 @@ renamed over `<out>` only when the last byte is written: an error or Ctrl-C leav
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -103,29 +104,51 @@ def ensure_room(path: Path, need: int, doing: str, advice: str = "", error: type
                     f"free; free space there{advice}")
 
 
+@contextlib.contextmanager
+def gguf_part(path: Path, arch: str, nbytes: int, doing: str = "writing it", what: str = "it", advice: str = "",
+              error: type[Exception] = GGUFError) -> Iterator[gguf.GGUFWriter]:
+    """A GGUFWriter on `<path>.part` for tensors of `nbytes`, renamed over `path` when the block ends. Before it, a
+    `.part` left by a run cut short is removed and a disk without room for the file refused (ensure_room, `doing`
+    and `advice`). On any error the writer is closed (an open handle would keep the deleted copy's blocks in use)
+    and the `.part` removed; an OSError (disk full, not writable) becomes one line naming `path`: "cannot write
+    {what}". A FileNotFoundError passes as it is: it names a file read, not this one."""
+    tmp = path.with_name(path.name + ".part")
+    tmp.unlink(missing_ok=True)
+    ensure_room(path, nbytes + (1 << 20), doing, advice, error)  # + header and alignment
+    writer = None
+    try:
+        writer = gguf.GGUFWriter(str(tmp), arch)
+        yield writer
+        writer.close()
+        os.replace(tmp, path)
+    except BaseException as e:
+        if writer is not None:
+            writer.close()
+        tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError) and not isinstance(e, FileNotFoundError):
+            raise error(f"{path}: cannot write {what} ({e.strerror or e})") from None
+        raise
+
+
 def write_gguf_stream(path: str | os.PathLike, arch: str, metadata: Callable[[gguf.GGUFWriter], None],
                       tensors: list[PlannedTensor], powerinfer: bool = False, desc: str | None = None) -> Path:
     """Write `tensors` (in order) after the metadata that `metadata(writer)` adds; PowerInfer's `PWRI`
-    magic if asked. Atomic: `<path>.part` is renamed at the end and removed on any error."""
+    magic if asked. Atomic (gguf_part): `<path>.part` is renamed at the end and removed on any error."""
     from tqdm import tqdm
     path = Path(path)
-    tmp = path.with_name(path.name + ".part")
     names = set()
     for t in tensors:
         if t.name in names:
             raise GGUFError(f"{path}: tensor {t.name} would be written twice")
         names.add(t.name)
-    ensure_room(path, sum(t.nbytes for t in tensors) + (1 << 20), "writing it")  # + header and alignment
-    writer = None
-    try:
-        writer = gguf.GGUFWriter(str(tmp), arch)
+    total = sum(t.nbytes for t in tensors)
+    with gguf_part(path, arch, total) as writer:
         metadata(writer)
         for t in tensors:
             writer.add_tensor_info(t.name, t.shape, np.dtype(np.float32), t.nbytes, raw_dtype=t.qtype)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
-        total = sum(t.nbytes for t in tensors)
         with tqdm(total=total, unit="B", unit_scale=True, desc=desc or path.name, disable=desc is False,
                   leave=False) as bar:
             for t in tensors:
@@ -138,14 +161,6 @@ def write_gguf_stream(path: str | os.PathLike, arch: str, metadata: Callable[[gg
                 del arr
         writer.close()
         if powerinfer:
-            with open(tmp, "r+b") as fh:
+            with open(writer.path, "r+b") as fh:
                 fh.write(b"PWRI")
-        os.replace(tmp, path)
-    except BaseException as e:
-        if writer is not None:
-            writer.close()  # (an open handle would keep the deleted copy's blocks in use)
-        tmp.unlink(missing_ok=True)
-        if isinstance(e, OSError) and not isinstance(e, FileNotFoundError):  # disk full, not writable: name the file
-            raise GGUFError(f"{path}: cannot write it ({e.strerror or e})") from None
-        raise
     return path

@@ -761,12 +761,10 @@ def transposed_down(gguf, n_layers: int, progress=None, down_t_type: str = DEFAU
     """`ffn_down_t` per layer for a llama.cpp file (which stores ffn_down as [d_model rows of n_ff]):
     transposed once and kept next to the model (memory-mapped after): `<model>.hs-down_t-q8_0.gguf` with
     down_t_type "q8_0", `<model>.hs-down_t.gguf` with "f16"."""
-    import gguf as gg
-
     from hybridsparse.solver.gpuidx import model_fingerprint
 
     from .gguf_file import GGUFFile
-    from .gguf_writer import ensure_room
+    from .gguf_writer import gguf_part, tensor_nbytes
     from .quantize import quantize_rows
 
     path = down_t_cache_path(Path(gguf.path), down_t_type)
@@ -790,44 +788,22 @@ def transposed_down(gguf, n_layers: int, progress=None, down_t_type: str = DEFAU
         if info is None:
             raise ModelError(f"{gguf.path}: tensor blk.{i}.ffn_down.weight is missing")
     types = [_transposed_type(info.qtype, info.shape[1], down_t_type) for info in infos]
-    sizes = [info.shape[0] * info.shape[1] // gg.GGML_QUANT_SIZES[qt][0] * gg.GGML_QUANT_SIZES[qt][1]
-             for info, qt in zip(infos, types)]
-    need = sum(sizes) + (1 << 20)  # the tensors, header and alignment
-    tmp = path.with_name(path.name + ".part")
-    tmp.unlink(missing_ok=True)  # a copy cut short by an earlier run
-    ensure_room(path, need, "transposing ffn_down once",
-                (" or use --down-t-type q8_0 (half the F16 copy's size)" if down_t_type == "f16" else "")
-                + ", or convert the model to PowerInfer's layout, which stores ffn_down_t", error=ModelError)
-    w = None
-    try:
-        w = gg.GGUFWriter(str(tmp), "hybridsparse.down_t")
+    advice = ((" or use --down-t-type q8_0 (half the F16 copy's size)" if down_t_type == "f16" else "")
+              + ", or convert the model to PowerInfer's layout, which stores ffn_down_t")
+    with gguf_part(path, "hybridsparse.down_t", sum(tensor_nbytes(i.shape, qt) for i, qt in zip(infos, types)),
+                   "transposing ffn_down once", "the transposed ffn_down", advice, error=ModelError) as w:
         w.add_string("hybridsparse.model_fingerprint", fp)
-        for i, (info, qt, size) in enumerate(zip(infos, types, sizes)):
-            w.add_tensor_info(f"blk.{i}.ffn_down_t.weight", (info.shape[0], info.shape[1]), np.dtype(np.float32),
-                              size, raw_dtype=qt)
+        for i, (info, qt) in enumerate(zip(infos, types)):
+            w.add_tensor_info(f"blk.{i}.ffn_down_t.weight", info.shape, np.dtype(np.float32),
+                              tensor_nbytes(info.shape, qt), raw_dtype=qt)
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
-        it = range(n_layers) if progress is None else progress(range(n_layers))
-        for i in it:
-            info, qt = infos[i], types[i]
-            dense = dequantize(gguf.raw(info.name), info.qtype).float().T.contiguous().numpy()
-            if qt == Q.F32:
-                data = dense
-            elif qt == Q.F16:
-                data = dense.astype(np.float16)
-            else:  # the rows over the -t threads (same bytes as one quants.quantize call)
-                data = quantize_rows(dense, qt, threads=torch.get_num_threads())
-            w.write_tensor_data(np.ascontiguousarray(data))
-        w.close()
-        tmp.replace(path)
-    except BaseException as e:  # interrupted, disk full, not writable: no half-written copy left behind
-        if w is not None:
-            w.close()  # (an open handle would keep a deleted copy's blocks in use)
-        tmp.unlink(missing_ok=True)
-        if isinstance(e, OSError):
-            raise ModelError(f"{path}: cannot write the transposed ffn_down ({e.strerror or e})") from None
-        raise
+        for i in range(n_layers) if progress is None else progress(range(n_layers)):
+            dense = dequantize(gguf.raw(infos[i].name), infos[i].qtype).float().T.contiguous().numpy()
+            # float types as they are, block types with the rows over the -t threads (the bytes of one
+            # quants.quantize call)
+            w.write_tensor_data(quantize_rows(dense, types[i], threads=torch.get_num_threads()))
     cache = GGUFFile(path)
     return [_qweight(cache, f"blk.{i}.ffn_down_t.weight") for i in range(n_layers)]
 

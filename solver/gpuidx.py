@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,25 +51,24 @@ class GpuIndex:
 
 def write_index(path: str | Path, gpu_neurons: list[np.ndarray], n_ff: list[int], vram_capacity: int,
                 meta: dict) -> Path:
-    import gguf
+    from hybridsparse.runtime.gguf_writer import gguf_part
     path = Path(path)
-    tmp = path.with_name(path.name + ".part")
-    w = gguf.GGUFWriter(str(tmp), ARCH)
-    w.add_uint32(f"{ARCH}.block_count", len(gpu_neurons))
-    w.add_uint64("split.vram_capacity", int(vram_capacity))
-    w.add_string("hybridsparse.meta", json.dumps(meta, sort_keys=True))
-    for i, (ids, n) in enumerate(zip(gpu_neurons, n_ff)):
-        mask = np.zeros(n, dtype=np.int32)
-        mask[ids] = 1
-        w.add_tensor(f"blk.{i}.gpu_idx", mask)
-        w.add_tensor(f"blk.{i}.gpu_bucket", np.sort(np.asarray(ids, dtype=np.int32)))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    with open(tmp, "r+b") as fh:  # PowerInfer's loader looks for its own magic
-        fh.write(b"PWRI")
-    os.replace(tmp, path)
+    nbytes = sum(4 * (n + len(ids)) for ids, n in zip(gpu_neurons, n_ff))
+    with gguf_part(path, ARCH, nbytes) as w:  # atomic: renamed over `path` at the end, removed on any error
+        w.add_uint32(f"{ARCH}.block_count", len(gpu_neurons))
+        w.add_uint64("split.vram_capacity", int(vram_capacity))
+        w.add_string("hybridsparse.meta", json.dumps(meta, sort_keys=True))
+        for i, (ids, n) in enumerate(zip(gpu_neurons, n_ff)):
+            mask = np.zeros(n, dtype=np.int32)
+            mask[ids] = 1
+            w.add_tensor(f"blk.{i}.gpu_idx", mask)
+            w.add_tensor(f"blk.{i}.gpu_bucket", np.sort(np.asarray(ids, dtype=np.int32)))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        with open(w.path, "r+b") as fh:  # PowerInfer's loader looks for its own magic
+            fh.write(b"PWRI")
     return path
 
 
