@@ -44,6 +44,8 @@
 #   HS_POLL_ROUNDS times
 #   bundle: the fused sparse FFN over a neuron's rows bundled side by side (views of one gate | up | down_t tensor) against
 #   the three tensors of today's files, alternating: 70B Q4_0 and 13B F16 rows, 1 and 16 threads (tests/gpu/bundle_rows_bench.py)
+#   compute: the listed-rows row-dot, axpy and fused FFN with the rows in cache against from memory, Q4_0 / Q8_0 / F16 70B
+#   rows, 1 and 16 threads (tests/gpu/compute_ceiling_bench.py: whether the cores' arithmetic or the memory bounds them)
 # The GPU machine cannot download: the wheels it lacks (gguf, pulp) travel in .whl/ (git-ignored), which the
 # device tool's call must carry (carry: [".whl"]); without them nothing below imports.
 set -uo pipefail
@@ -338,6 +340,9 @@ if [[ $STAGES == *,bundle,* ]]; then  # whether a bundled FFN layout would pay o
 ( BR_TYPE=Q4_0 BR_SHAPE=70b BR_THREADS=1,16 BR_DENSITIES=0.03,0.1 timeout 150 python3 tests/gpu/bundle_rows_bench.py
   BR_TYPE=F16 BR_SHAPE=13b BR_THREADS=16 BR_DENSITIES=0.03,0.1 timeout 120 python3 tests/gpu/bundle_rows_bench.py ) 2>&1 \
   | tee "$OUT/bundle-rows.txt"
+fi
+if [[ $STAGES == *,compute,* ]]; then  # the cores' arithmetic on listed rows in cache against from memory
+timeout 240 python3 tests/gpu/compute_ceiling_bench.py 2>&1 | grep -v Warn | tee "$OUT/compute-ceiling.txt"
 fi
 if [[ $STAGES == *,s5run,* ]]; then  # S5's model through hs-run, CPU-only sparse vs dense (-ngl 0), alternating
 write_s5_model
