@@ -499,6 +499,26 @@ def test_next_rows_ask_changes_nothing(qtype, planes, rows, chunk, monkeypatch):
     assert ((on[0].double() - xq @ wd.T).abs().max() / (xq.abs() @ wd.abs().T).max()).item() < 1e-6
 
 
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q8_0])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_axpy_whole_scale_chunks(qtype, threads):
+    """One token's down rows (the sparse axpy, the fused FFN's grouped axpy) over rows of 37 blocks: two whole
+    chunks of 16 blocks, whose Q4_0 scales come by word permutes from four 64-byte loads, and a rest of 5
+    that gathers them one by one; the last row of the tensor listed (nothing read past it): the twin's sums."""
+    torch.set_num_threads(threads)
+    n, K = 67, 32 * 37
+    up, down_t = random_rows(qtype, n, K, seed=31), random_rows(qtype, n, K, seed=32)
+    idx = torch.tensor([n - 1, 3, 40, 7, 12, 0, 55, 21, 30, 9, 64], dtype=torch.int32)
+    h = torch.randn(1, idx.numel(), generator=torch.Generator().manual_seed(33))
+    ref = kernels.sparse_axpy_reference(down_t, qtype, h, idx)
+    got = kernels.sparse_axpy(down_t, qtype, h, idx)
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+    x = torch.randn(1, K, generator=torch.Generator().manual_seed(34))
+    y, hh = kernels.sparse_ffn(x, up, qtype, None, qtype, down_t, qtype, idx, None, "gelu", False)
+    y_ref = kernels.sparse_axpy_reference(down_t, qtype, hh, idx)  # the down rows with the op's own h
+    torch.testing.assert_close(y, y_ref, rtol=1e-4, atol=1e-4 * y_ref.abs().max().item())
+
+
 @pytest.mark.parametrize("qtype", [Q.F16, Q.Q8_0, Q.Q4_0, Q.Q5_0])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_dense_gemv_streams(qtype, threads, monkeypatch):
