@@ -225,14 +225,17 @@ int rows_together(const char* name, long long fallback, bool up_to_8) {
 // Gated FFNs streamed four neurons (eight rows) already; eight of them (sixteen rows) lost.
 int ffn_rows() { return rows_together("HS_FFN_ROWS", 8, true); }
 
-// Streams per thread of a dense one-token GEMV (HS_GEMV_STREAMS: 1, 2 or 4, default 4; read per call):
+// Streams per thread of a dense one-token GEMV (HS_GEMV_STREAMS: 1, 2, 4 or 8, default 8; read per call):
 // a thread's rows as that many interleaved runs, one row of each computed side by side, so that each
 // core has several sequential streams in flight for the hardware prefetcher instead of one. The GPU
 // machine's Xeon (H200 host, session 24, tests/gpu/gemv_streams_bench.py, from memory, 16 threads):
 // 13B attention F16 93.5 / 109.6 / 113.9 GiB/s with 1 / 2 / 4, 7B attention Q4_0 72.7 / 86.5 / 96.1,
 // Q8_0 predictors 68.2 / 77.3 / 88.4; one thread 9.2 -> 12.7, 7.5 -> 11.2, 6.7 -> 11.6. The Zen 4 dev VM
-// (2 threads): F16 20.2 -> 27.1, Q4_0 and Q8_0 within noise.
-int gemv_streams() { return rows_together("HS_GEMV_STREAMS", 4, false); }
+// (2 threads): F16 20.2 -> 27.1, Q4_0 and Q8_0 within noise. Eight since session 33: the Xeon dev VM,
+// 2 threads, 4 -> 8 (two runs): F16 22.9 / 21.6 -> 23.3 / 22.4, Q4_0 21.3 / 20.7 -> 22.7 / 22.0, Q8_0
+// 17.5 / 17.5 -> 21.0 / 20.7; S5's model CPU-only sparse through hs-run -t 2, alternating, 6.48 / 6.57
+// -> 6.82 / 6.89 tok/s; the Xeon of the GPU machine not yet measured.
+int gemv_streams() { return rows_together("HS_GEMV_STREAMS", 8, true); }
 
 // Neurons a thread of the fused FFN claims at a time (HS_FFN_CHUNK; 0: one fixed share per thread).
 // Claimed shares keep every thread busy to the end of a layer when one of them starts late or is
@@ -528,8 +531,8 @@ std::vector<at::Tensor> qmatmul_rows_cpu(const std::vector<at::Tensor>& ws, cons
       if (streams > 1 && k_end - k >= 4 * streams) {  // a dense GEMV: runs of L rows, one of each side by side
         const auto dots = side_dots(streams, false);
         const int64_t L = (k_end - k) / streams;
-        const void* rws[4];
-        float outs[4];
+        const void* rws[8];
+        float outs[8];
         for (int64_t j = 0; j < L; ++j) {
           for (int s = 0; s < streams; ++s) rws[s] = wp + (k + s * L + j) * row_bytes;
           dots(rws, outs);

@@ -44,6 +44,8 @@
 #   HS_POLL_ROUNDS times
 #   bundle: the fused sparse FFN over a neuron's rows bundled side by side (views of one gate | up | down_t tensor) against
 #   the three tensors of today's files, alternating: 70B Q4_0 and 13B F16 rows, 1 and 16 threads (tests/gpu/bundle_rows_bench.py)
+#   streams: a dense GEMV's rows as 1 / 4 / 8 interleaved streams a thread (HS_GEMV_STREAMS; 16 and 1 threads), then S5's model
+#   with 4 and 8 through hs-run, sparse and dense, alternating
 #   compute: the listed-rows row-dot, axpy and fused FFN with the rows in cache against from memory, Q4_0 / Q8_0 / F16 70B
 #   rows, 1 and 16 threads (tests/gpu/compute_ceiling_bench.py: whether the cores' arithmetic or the memory bounds them)
 # The GPU machine cannot download: the wheels it lacks (gguf, pulp) travel in .whl/ (git-ignored), which the
@@ -354,10 +356,10 @@ for r in ${HS_S5_ROUNDS:-1 2}; do
   done
 done
 fi
-if [[ $STAGES == *,streams,* ]]; then  # a dense GEMV's rows as 1/2/4 interleaved streams a thread (HS_GEMV_STREAMS)
-python3 tests/gpu/gemv_streams_bench.py 16 1 2>&1 | tee "$OUT/gemv-streams.txt"
+if [[ $STAGES == *,streams,* ]]; then  # a dense GEMV's rows as 1/2/4/8 interleaved streams a thread (HS_GEMV_STREAMS)
+GS_MODES=${GS_MODES:-1,4,8} python3 tests/gpu/gemv_streams_bench.py 16 1 2>&1 | tee "$OUT/gemv-streams.txt"
 write_s5_model
-for v in ${HS_STREAM_RUNS:-1 4 1 4 1 4}; do  # S5's model on 16 threads, sparse and dense, alternating
+for v in ${HS_STREAM_RUNS:-4 8 4 8 4 8}; do  # S5's model on 16 threads, sparse and dense, alternating
   for eng in "--vram-budget 0" "-ngl 0"; do
     printf "HS_GEMV_STREAMS=%s %s: " $v "$eng" | tee -a "$OUT/gemv-streams.txt"
     HS_GEMV_STREAMS=$v hs-run -m $M5 $eng -t 16 -p "Once upon a time" -n 48 2>&1 >/dev/null | grep "  eval time" \
