@@ -649,7 +649,7 @@ HS_AVX2 static inline void axpy_group_q5_0_avx2(const float* s, const void* cons
 #define HS_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")))
 
 // unsigned weights u (0..128) against both planes with 256-bit VNNI: 128 * (u . x0) + (u . x1) per
-// int32 lane (dot2_vnni below on 512 bits)
+// int32 lane; dpbusd sums four products in 32 bits (no int16 saturation on the way)
 HS_AVX512 static inline __m256i dot2_vnni256(__m256i u, __m256i x0, __m256i x1) {
   const __m256i i0 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, x0);
   const __m256i i1 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, x1);
@@ -674,14 +674,6 @@ HS_AVX512 static inline void act_planes_2(const ActQ8* a, __m512i& x0, __m512i& 
                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a[1].qs[0])));
   x1 = join256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a[0].qs[1])),
                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a[1].qs[1])));
-}
-
-// unsigned weights u (0..128) against both planes with VNNI: 128 * (u . x0) + (u . x1) per int32 lane;
-// dpbusd sums four products in 32 bits (no int16 saturation on the way)
-HS_AVX512 static inline __m512i dot2_vnni(__m512i u, __m512i x0, __m512i x1) {
-  const __m512i i0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, x0);
-  const __m512i i1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, x1);
-  return _mm512_add_epi32(_mm512_slli_epi32(i0, 7), i1);  // PLANE_SHIFT = 128
 }
 
 // one float per 256-bit half: the scales of blocks b and b+1
@@ -712,7 +704,7 @@ alignas(64) inline constexpr uint16_t Q8_0_PAIR_D_INDEX[32] = {0, 0, 0, 0, 0, 0,
 
 template <int R, bool ONE_PLANE = false, bool NEXT = false>
 HS_AVX512 static inline void dot_q8_0_rows_avx512(const void* const* rows, const ActQ8* a, int64_t nb, float* out) {
-  static_assert(PLANE_SHIFT == 128, "dot2_vnni shifts by 7");
+  static_assert(PLANE_SHIFT == 128, "the planes combine with a shift by 7");
   const BlockQ8_0* w[R];
   __m512 acc[R];
   for (int r = 0; r < R; ++r) {
@@ -772,8 +764,8 @@ HS_AVX512 static inline float dot_q8_0_avx512(const void* row, const ActQ8* a, i
 }
 
 // Q8_0 rows against a tile of tokens with VNNI: the weights' magnitudes and signs taken once per
-// block for all the tokens, the sign moved onto each token's activations (as in
-// dot_q8_0_rows_avx512), one vpdpbusd per plane. Without it a prompt read each row once per token.
+// block for all the tokens, the sign moved onto each token's activations (one token's rows instead start
+// each plane's dot from its activations' lane sums, dot_q8_0_rows_avx512), one vpdpbusd per plane. Without it a prompt read each row once per token.
 template <int NT>
 HS_AVX512 static inline void dot_q8_0_tokens_vnni(const void* row, const ActQ8* a, int64_t nb, int64_t stride,
                                                   float* out) {

@@ -106,8 +106,9 @@ def ensure_room(path: Path, need: int, doing: str, advice: str = "", error: type
 
 @contextlib.contextmanager
 def gguf_part(path: Path, arch: str, nbytes: int, doing: str = "writing it", what: str = "it", advice: str = "",
-              error: type[Exception] = GGUFError) -> Iterator[gguf.GGUFWriter]:
-    """A GGUFWriter on `<path>.part` for tensors of `nbytes`, renamed over `path` when the block ends. Before it, a
+              error: type[Exception] = GGUFError, powerinfer: bool = False) -> Iterator[gguf.GGUFWriter]:
+    """A GGUFWriter on `<path>.part` for tensors of `nbytes`, closed (its first four bytes then PowerInfer's `PWRI`
+    magic where `powerinfer`) and renamed over `path` when the block ends. Before it, a
     `.part` left by a run cut short is removed and a disk without room for the file refused (ensure_room, `doing`
     and `advice`). On any error the writer is closed (an open handle would keep the deleted copy's blocks in use)
     and the `.part` removed; an OSError (disk full, not writable) becomes one line naming `path`: "cannot write
@@ -120,6 +121,9 @@ def gguf_part(path: Path, arch: str, nbytes: int, doing: str = "writing it", wha
         writer = gguf.GGUFWriter(str(tmp), arch)
         yield writer
         writer.close()
+        if powerinfer:  # PowerInfer's loader looks for its own magic
+            with open(tmp, "r+b") as fh:
+                fh.write(b"PWRI")
         os.replace(tmp, path)
     except BaseException as e:
         if writer is not None:
@@ -142,7 +146,7 @@ def write_gguf_stream(path: str | os.PathLike, arch: str, metadata: Callable[[gg
             raise GGUFError(f"{path}: tensor {t.name} would be written twice")
         names.add(t.name)
     total = sum(t.nbytes for t in tensors)
-    with gguf_part(path, arch, total) as writer:
+    with gguf_part(path, arch, total, powerinfer=powerinfer) as writer:
         metadata(writer)
         for t in tensors:
             writer.add_tensor_info(t.name, t.shape, np.dtype(np.float32), t.nbytes, raw_dtype=t.qtype)
@@ -159,8 +163,4 @@ def write_gguf_stream(path: str | os.PathLike, arch: str, metadata: Callable[[gg
                 writer.write_tensor_data(arr)
                 bar.update(arr.nbytes)
                 del arr
-        writer.close()
-        if powerinfer:
-            with open(writer.path, "r+b") as fh:
-                fh.write(b"PWRI")
     return path

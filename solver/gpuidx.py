@@ -54,7 +54,8 @@ def write_index(path: str | Path, gpu_neurons: list[np.ndarray], n_ff: list[int]
     from hybridsparse.runtime.gguf_writer import gguf_part
     path = Path(path)
     nbytes = sum(4 * (n + len(ids)) for ids, n in zip(gpu_neurons, n_ff))
-    with gguf_part(path, ARCH, nbytes) as w:  # atomic: renamed over `path` at the end, removed on any error
+    # atomic: renamed over `path` at the end, removed on any error; PWRI: PowerInfer's loader looks for its magic
+    with gguf_part(path, ARCH, nbytes, powerinfer=True) as w:
         w.add_uint32(f"{ARCH}.block_count", len(gpu_neurons))
         w.add_uint64("split.vram_capacity", int(vram_capacity))
         w.add_string("hybridsparse.meta", json.dumps(meta, sort_keys=True))
@@ -66,9 +67,6 @@ def write_index(path: str | Path, gpu_neurons: list[np.ndarray], n_ff: list[int]
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_tensors_to_file()
-        w.close()
-        with open(w.path, "r+b") as fh:  # PowerInfer's loader looks for its own magic
-            fh.write(b"PWRI")
     return path
 
 
